@@ -1,0 +1,1 @@
+"""splitserve.autoscaler: see the package README for its role."""

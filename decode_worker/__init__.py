@@ -1,0 +1,1 @@
+"""splitserve.decode_worker: see the package README for its role."""

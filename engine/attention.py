@@ -1,0 +1,102 @@
+"""Paged attention over the block-table KV cache (the portable PyTorch path; GPU kernels plug in here).
+
+KV cache layout, per layer: K and V each `[num_blocks, block_size, num_kv_heads, head_dim]`, so one block's
+bytes are contiguous and a run of consecutive block ids is one contiguous region (what the KV transfer sends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    token_start: int  # index of the chunk's first token in the packed batch
+    num_tokens: int  # tokens in this chunk
+    context_start: int  # tokens of this sequence already in the cache before the chunk
+    block_ids: torch.Tensor  # [num_blocks] long, on device
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward pass needs to read and write the paged cache. Decodes come first in the batch."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: block_id * block_size + offset
+    block_size: int
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] long, including the new token
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    # Called after layer i's K/V for this batch are written to the cache (KV streaming hook).
+    on_layer_written: Callable[[int], None] | None = None
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Scatter new K/V ([T, Hkv, D]) into their cache slots."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D] (this step's keys, already in the cache)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    for p in meta.prefills:
+        sl = slice(p.token_start, p.token_start + p.num_tokens)
+        out[sl] = _prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, p, scale)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    tables = meta.decode_block_tables
+    k = k_cache[tables].view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache[tables].view(b, -1, hkv, d).transpose(1, 2)
+    length = k.shape[2]
+    qg = q.view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, L]
+    pad = torch.arange(length, device=q.device)[None, :] >= meta.decode_seq_lens[:, None]  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).view(b, h, d).to(q.dtype)
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, p: PrefillSeq, scale: float) -> torch.Tensor:
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    if p.context_start == 0:
+        keys, values = k, v
+        mask = None
+    else:
+        seq_len = p.context_start + t
+        keys = k_cache[p.block_ids].view(-1, hkv, d)[:seq_len]
+        values = v_cache[p.block_ids].view(-1, hkv, d)[:seq_len]
+        qpos = torch.arange(p.context_start, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]  # [t, seq_len]
+    group = h // hkv
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+    )
+    return o.squeeze(0).transpose(0, 1)

@@ -1,0 +1,109 @@
+"""Engine configuration: one small dataclass per component, composed into `EngineConfig`.
+
+Values measured at run time (the number of KV blocks) live in `KVCacheSpec`, apart from user config.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def parse_memory(value: str | int | float, field_name: str = "kv_cache_memory") -> int | float:
+    """Parse '512MiB', '2G', 1073741824 (bytes) or a fraction in (0, 1] of free memory.
+
+    Returns an int (bytes) or a float fraction.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name}: expected bytes or a fraction, got {value!r}")
+    if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"\s*0?\.\d+\s*|\s*1\.0*\s*", value)):
+        frac = float(value)
+        if not 0.0 < frac <= 1.0:
+            raise ValueError(f"{field_name}: a fraction must be in (0, 1], got {value!r}")
+        return frac
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{field_name}: must be positive, got {value!r}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"{field_name}: cannot parse {value!r} (use e.g. 512MiB, 2GiB, 0.9)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"{field_name}: must be positive, got {value!r}")
+    return n
+
+
+@dataclass
+class ModelConfig:
+    model: str = "smollm2"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda if available, else cpu
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len!r}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: str | int | float = "auto"  # bytes, '1GiB', or a fraction of free memory
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
+        if self.kv_cache_memory != "auto":
+            parse_memory(self.kv_cache_memory)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the KV cache turned out to be at run time."""
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+
+    @property
+    def block_bytes_per_layer(self) -> int:  # bytes of one block of K (or of V) in one layer
+        itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
+        return self.block_size * self.num_kv_heads * self.head_dim * itemsize

@@ -1,0 +1,1 @@
+"""Model definitions (single-device readable) and their loaders."""

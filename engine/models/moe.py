@@ -1,0 +1,55 @@
+"""Sparse mixture-of-experts block (Mixtral, Qwen3-MoE): top-k softmax routing over SwiGLU experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.intermediate = intermediate
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        # Experts stacked: w13 = [gate; up] per expert, w2 = down.
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # Experts [expert_start, expert_start + num_local) live here; expert parallelism narrows this range.
+        self.expert_start = 0
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids and their weights per token: ([T, k] long, [T, k] float32)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        return self.expert_forward(x, experts, weights)
+
+    def expert_forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of the local experts' outputs for the tokens routed to them."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = experts.view(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts + self.expert_start).tolist()
+        token_of = order // self.top_k
+        pos = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            local = e - self.expert_start
+            if 0 <= local < self.w13.shape[0]:
+                idx = token_of[pos : pos + n]
+                w = weights.view(-1)[order[pos : pos + n]]
+                gate, up = F.linear(x[idx], self.w13[local]).split(self.intermediate, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.w2[local])
+                out.index_add_(0, idx, y.float() * w[:, None])
+            pos += n
+        return out.to(x.dtype)

@@ -1,0 +1,22 @@
+"""What the engine hands back per step, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.engine.request import Logprob
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprob] = field(default_factory=list)
+    new_text: str = ""  # incremental text (when the engine has a tokenizer)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None

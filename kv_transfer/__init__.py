@@ -1,0 +1,1 @@
+"""splitserve.kv_transfer: see the package README for its role."""

@@ -1,0 +1,1 @@
+"""splitserve.prefill_worker: see the package README for its role."""

@@ -1,0 +1,1 @@
+"""splitserve.router: see the package README for its role."""
