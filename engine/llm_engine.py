@@ -22,7 +22,7 @@ from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("splitserve.engine")
 
-CPU_DEFAULT_KV_BYTES = 1 << 30
+CPU_DEFAULT_KV_BYTES = 512 << 20
 
 
 @dataclass
@@ -68,7 +68,9 @@ class LLMEngine:
         per_block = self.runner.bytes_per_block()
         setting = self.config.cache.kv_cache_memory
         if setting == "auto":
-            setting = 0.85 if self.device.type == "cuda" else CPU_DEFAULT_KV_BYTES
+            # CPU: 512 MiB, or enough for two full-length sequences if that is more
+            setting = 0.85 if self.device.type == "cuda" else max(
+                CPU_DEFAULT_KV_BYTES, 2 * per_block * -(-self.max_model_len // self.config.cache.block_size))
         budget = parse_memory(setting)
         if isinstance(budget, float):
             if self.device.type == "cuda":

@@ -1,0 +1,36 @@
+# The two commands a new user runs: `make up` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch; on a GPU host install the CUDA torch you want into the venv first.
+TORCH_SPEC ?= torch==2.13.0
+PORT ?= 8000
+MODEL ?= smollm2
+PYTEST_ARGS ?=
+
+.PHONY: up test venv model lint proto clean
+
+venv: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+model: venv
+	$(BIN)/splitserve fetch-model $(MODEL) >/dev/null
+
+up: model
+	$(BIN)/splitserve generate --model $(MODEL) --chat --max-tokens 64 --temperature 0 \
+		--prompt "In two sentences, what is disaggregated prefill/decode serving?"
+
+test: model
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,176 @@
+"""An asyncio face for the engine: `step()` runs in its own thread; requests stream outputs back.
+
+Everything that touches the engine runs on that thread (commands are queued and run between steps), so the
+engine itself needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("splitserve.engine.async")
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.error: BaseException | None = None
+        self._thread.start()
+
+    # -- the engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopped:
+            while self._commands:
+                self._commands.popleft()()
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except BaseException as e:  # fail every request explicitly rather than hang them
+                    log.exception("engine step failed")
+                    self._fail_all(f"engine error: {e}")
+                    continue
+                for out in outputs:
+                    self._deliver(out)
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            ids = list(self._queues)
+        for rid in ids:
+            self.engine.abort_request(rid)
+            self._deliver(RequestOutput(rid, [], finished=True, finish_reason="error", error=message))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            entry = self._queues.get(out.request_id)
+            if entry is not None and out.finished:
+                del self._queues[out.request_id]
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    # -- calls from asyncio -------------------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        if self._stopped:
+            raise EngineDeadError("engine is shut down")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result: Any = fn(self.engine)
+            except BaseException as e:
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.append(run)
+        self._wake.set()
+        return await fut
+
+    def _register(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        return queue
+
+    def _unregister(self, request_id: str) -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       priority: int = 0, hold_blocks: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the iterator early (or cancellation) aborts it."""
+        queue = self._register(request_id)
+        try:
+            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, params, priority, hold_blocks))
+        except BaseException:
+            self._unregister(request_id)
+            raise
+        async for out in self._stream(request_id, queue):
+            yield out
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                out: RequestOutput = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._unregister(request_id)
+                self._commands.append(lambda: self.engine.abort_request(request_id))
+                self._wake.set()
+
+    async def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                             priority: int = 0) -> tuple[list[int], int] | None:
+        return await self.call(lambda e: e.reserve_remote(request_id, prompt_token_ids, params, priority))
+
+    async def stream_remote(self, request_id: str, first_token_id: int, first_logprob=None) -> AsyncIterator[RequestOutput]:
+        """Admit a request whose KV landed and stream its outputs, starting with the first token."""
+        queue = self._register(request_id)
+        try:
+            first = await self.call(lambda e: e.admit_remote(request_id, first_token_id, first_logprob))
+        except BaseException:
+            self._unregister(request_id)
+            raise
+        if first.finished:
+            self._unregister(request_id)
+            yield first
+            return
+        yield first
+        async for out in self._stream(request_id, queue):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        self._unregister(request_id)
+        await self.call(lambda e: e.abort_request(request_id))
+
+    async def release(self, request_id: str) -> bool:
+        return await self.call(lambda e: e.release(request_id))
+
+    async def stats(self) -> dict[str, int]:
+        return await self.call(lambda e: e.stats())
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
