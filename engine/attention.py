@@ -64,15 +64,13 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     tables = meta.decode_block_tables
-    k = k_cache[tables].view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    # [B, Hkv, L, D] strided views of the gathered blocks: SDPA reads them in place, GQA without repeats
+    k = k_cache[tables].view(b, -1, hkv, d).transpose(1, 2)
     v = v_cache[tables].view(b, -1, hkv, d).transpose(1, 2)
-    length = k.shape[2]
-    qg = q.view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
-    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-    pad = torch.arange(length, device=q.device)[None, :] >= meta.decode_seq_lens[:, None]  # [B, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v.float()).view(b, h, d).to(q.dtype)
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < meta.decode_seq_lens[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(q.view(b, h, 1, d), k, v, attn_mask=valid[:, None, None, :],
+                                       scale=scale, enable_gqa=hkv != h)
+    return o.view(b, h, d)
 
 
 def _prefill_attention(q, k, v, k_cache, v_cache, p: PrefillSeq, scale: float) -> torch.Tensor:
@@ -87,10 +85,6 @@ def _prefill_attention(q, k, v, k_cache, v_cache, p: PrefillSeq, scale: float) -
         values = v_cache[p.block_ids].view(-1, hkv, d)[:seq_len]
         qpos = torch.arange(p.context_start, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]  # [t, seq_len]
-    group = h // hkv
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         keys.transpose(0, 1).unsqueeze(0),
@@ -98,5 +92,6 @@ def _prefill_attention(q, k, v, k_cache, v_cache, p: PrefillSeq, scale: float) -
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
+        enable_gqa=hkv != h,
     )
     return o.squeeze(0).transpose(0, 1)
