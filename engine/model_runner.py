@@ -38,6 +38,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.sampler = Sampler(seed)
+        if device.type == "cpu":
+            from splitserve.engine.kernels.cpu_linear import pack_linears
+
+            pack_linears(model)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def bytes_per_block(self) -> int:

@@ -25,6 +25,7 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, 
     with torch.device("meta"):
         model = CausalLM(arch, max_position)
     model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
     model.rotary.build_tables(device)  # float32 tables, computed on the device
     _load_weights(model, arch, Path(model_dir), device, dtype)
     model.eval()

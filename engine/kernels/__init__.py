@@ -1,0 +1,1 @@
+"""Device-specific kernels, chosen by device; the model files stay plain PyTorch."""
