@@ -18,17 +18,22 @@ def smollm2_dir() -> Path:
     return resolve_model("smollm2")
 
 
-def _save_random(config, path: Path, seed: int = 0) -> Path:
+def _save_random(config, path: Path, seed: int = 0, std: float = 0.08, head_std: float | None = None) -> Path:
+    """Random weights: N(0, std) matrices, N(0, 1) embeddings (peaky logits, so greedy has clear margins)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Larger weights than the default init make the logits peaky, so greedy argmax has clear margins.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+                if "embed" in name:
+                    p.normal_(0.0, 1.0)
+                elif "lm_head" in name and head_std is not None:
+                    p.normal_(0.0, head_std)
+                else:
+                    p.normal_(0.0, std)
     model.save_pretrained(str(path))
     return path
 
@@ -37,7 +42,7 @@ TINY = dict(vocab_size=384, hidden_size=64, num_hidden_layers=3, num_attention_h
             max_position_embeddings=1024, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
-def make_random_model(kind: str, path: Path) -> Path:
+def make_random_model(kind: str, path: Path, **init) -> Path:
     """Save a small random model of `kind` (qwen3, qwen3_moe, mixtral, llama3, qwen2) to `path`."""
     from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
@@ -56,7 +61,7 @@ def make_random_model(kind: str, path: Path) -> Path:
         cfg = Qwen2Config(intermediate_size=128, tie_word_embeddings=False, **TINY)
     else:
         raise ValueError(kind)
-    return _save_random(cfg, path)
+    return _save_random(cfg, path, **init)
 
 
 @pytest.fixture(scope="session")
