@@ -1,0 +1,368 @@
+"""The transfer agent: receiver bookkeeping (tickets, per-layer progress, deadlines) and send sessions.
+
+The backend moves bytes; this module decides what is expected, what is done and what failed. Every pending
+transfer ends in exactly one of: done, TransferTimeout, TransferError, TransferCancelled — and is then
+forgotten, so nothing stays reserved here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from splitserve.kv_transfer import metrics
+from splitserve.kv_transfer.errors import (
+    MalformedTicket,
+    TransferCancelled,
+    TransferError,
+    TransferTimeout,
+)
+from splitserve.kv_transfer.layout import KVLayout, coalesce
+from splitserve.kv_transfer.ticket import TransferTicket
+
+log = logging.getLogger("splitserve.kv_transfer")
+
+
+class Channel(Protocol):
+    """Sender side of one transfer: write runs (src_block, dst_block, n) of one layer's K and V."""
+
+    def write_layer(self, layer: int, runs: list[tuple[int, int, int]], final: bool) -> int: ...
+
+    def abort(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def start(self, agent: KVTransferAgent) -> None: ...
+
+    def ticket_fields(self) -> dict: ...
+
+    def open_channel(self, ticket: TransferTicket) -> Channel: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Pending:
+    ticket: TransferTicket
+    created: float
+    final_parts: dict[int, set[int]] = field(default_factory=dict)  # layer -> {0 (K), 1 (V)} received final
+    layers_done: set[int] = field(default_factory=set)
+    bytes: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    error: TransferError | None = None
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = field(default_factory=list)
+
+
+class KVTransferAgent:
+    def __init__(self, layout: KVLayout, backend: Backend, name: str | None = None) -> None:
+        self.layout = layout
+        self.backend = backend
+        self.name = name or f"splitserve-{uuid.uuid4().hex[:12]}"
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        # outcomes kept briefly so a waiter arriving after the end still learns it (bounded)
+        self._finished: OrderedDict[str, _Pending] = OrderedDict()
+        self._closed = False
+        self._jobs: queue.Queue = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, name="kv-send", daemon=True)
+        self._reaper = threading.Thread(target=self._reap_loop, name="kv-deadlines", daemon=True)
+        backend.start(self)
+        self._sender.start()
+        self._reaper.start()
+
+    # == receiver (decode) side ====================================================================
+    def expect(self, request_id: str, block_ids: Sequence[int], skip_blocks: int = 0,
+               timeout_s: float = 30.0) -> TransferTicket:
+        """Publish a ticket for blocks the engine reserved; the transfer must land within `timeout_s`."""
+        if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
+            raise ValueError("block id out of range of the registered KV cache")
+        ticket = TransferTicket(
+            request_id=request_id, backend=self.backend.name, agent=self.name,
+            num_layers=self.layout.num_layers, block_bytes=self.layout.block_bytes, dtype=self.layout.dtype,
+            block_ids=list(block_ids), skip_blocks=skip_blocks, deadline=time.time() + timeout_s,
+            device_id=self.layout.device.index or 0, mem_type="VRAM" if self.layout.is_cuda else "DRAM",
+            **self.backend.ticket_fields(),
+        )
+        ticket.validate()
+        with self._lock:
+            if request_id in self._pending:
+                raise ValueError(f"a transfer for {request_id!r} is already expected")
+            self._pending[request_id] = _Pending(ticket, time.monotonic())
+        metrics.IN_FLIGHT.labels("recv", self.backend.name).inc()
+        return ticket
+
+    def _get(self, request_id: str) -> _Pending | None:
+        return self._pending.get(request_id) or self._finished.get(request_id)
+
+    def progress(self, request_id: str) -> int:
+        """Layers fully landed so far."""
+        with self._lock:
+            p = self._get(request_id)
+            return len(p.layers_done) if p else 0
+
+    def is_expected(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._pending
+
+    async def wait(self, request_id: str) -> None:
+        """Until every layer landed; raises TransferTimeout / TransferError / TransferCancelled."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            p = self._get(request_id)
+            if p is None:
+                raise TransferError(f"no transfer expected for {request_id!r}")
+            if p.done.is_set():
+                self._settle(fut, p.error)
+            else:
+                p.waiters.append((loop, fut))
+        await fut
+
+    def wait_blocking(self, request_id: str) -> None:
+        with self._lock:
+            p = self._get(request_id)
+        if p is None:
+            raise TransferError(f"no transfer expected for {request_id!r}")
+        p.done.wait(max(0.0, p.ticket.deadline - time.time()) + 1.0)
+        if not p.done.is_set():
+            self._finish(request_id, TransferTimeout(f"{request_id}: deadline passed"))
+        if p.error is not None:
+            raise p.error
+
+    def cancel(self, request_id: str) -> None:
+        self._finish(request_id, TransferCancelled(f"{request_id}: cancelled"))
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished transfer's record (after wait returned or raised)."""
+        with self._lock:
+            self._finished.pop(request_id, None)
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    # -- called by backends ------------------------------------------------------------------------
+    def lookup(self, request_id: str) -> TransferTicket | None:
+        with self._lock:
+            p = self._pending.get(request_id)
+            return None if p is None or p.done.is_set() else p.ticket
+
+    def landed(self, request_id: str, layer: int, parts: Sequence[int], final: bool, nbytes: int) -> None:
+        """Bytes of `layer`'s K (0) and/or V (1) landed; `final` marks the request's last write of that layer."""
+        complete = False
+        with self._lock:
+            p = self._pending.get(request_id)
+            if p is None or p.done.is_set():
+                return
+            p.bytes += nbytes
+            if final:
+                got = p.final_parts.setdefault(layer, set())
+                got.update(parts)
+                if got == {0, 1}:
+                    p.layers_done.add(layer)
+                    complete = len(p.layers_done) == p.ticket.num_layers
+        metrics.BYTES.labels("recv", self.backend.name).inc(nbytes)
+        if complete:
+            self._finish(request_id, None)
+
+    def fail(self, request_id: str, error: TransferError) -> None:
+        self._finish(request_id, error)
+
+    # -- endings ---------------------------------------------------------------------------------
+    def _finish(self, request_id: str, error: TransferError | None) -> None:
+        with self._lock:
+            p = self._pending.get(request_id)
+            if p is None or p.done.is_set():
+                return
+            p.error = error
+            p.done.set()
+            waiters, p.waiters = p.waiters, []
+            del self._pending[request_id]
+            self._finished[request_id] = p
+            while len(self._finished) > 4096:
+                self._finished.popitem(last=False)
+        backend = self.backend.name
+        metrics.IN_FLIGHT.labels("recv", backend).dec()
+        outcome = "success" if error is None else type(error).__name__.removeprefix("Transfer").lower()
+        metrics.TRANSFERS.labels("recv", backend, outcome).inc()
+        if error is None:
+            metrics.LATENCY.labels("recv", backend).observe(time.monotonic() - p.created)
+        else:
+            log.warning("kv transfer %s failed: %s", request_id, error)
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(self._settle, fut, error)
+
+    @staticmethod
+    def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    def _reap_loop(self) -> None:
+        while not self._closed:
+            now = time.time()
+            with self._lock:
+                late = [rid for rid, p in self._pending.items() if not p.done.is_set() and now > p.ticket.deadline]
+            for rid in late:
+                self._finish(rid, TransferTimeout(f"{rid}: not complete by its deadline"))
+            time.sleep(0.02)
+
+    # == sender (prefill) side =====================================================================
+    def begin(self, ticket: TransferTicket, src_block_ids: Sequence[int]) -> SendSession:
+        """Start sending into a ticket's blocks from our `src_block_ids` (same order, same length)."""
+        ticket.validate()
+        ticket.check_compatible(self.layout)
+        if ticket.backend != self.backend.name:
+            raise MalformedTicket(f"ticket is for backend {ticket.backend}, this agent runs {self.backend.name}")
+        if len(src_block_ids) != len(ticket.block_ids):
+            raise MalformedTicket(f"ticket has {len(ticket.block_ids)} blocks, sender has {len(src_block_ids)}")
+        if any(not 0 <= b < self.layout.num_blocks for b in src_block_ids):
+            raise ValueError("source block id out of range")
+        return SendSession(self, ticket, list(src_block_ids))
+
+    def _send_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            ids = list(self._pending)
+        for rid in ids:
+            self._finish(rid, TransferCancelled(f"{rid}: agent closed"))
+        self._jobs.put(None)
+        self._sender.join(timeout=5)
+        self.backend.close()
+
+
+class SendSession:
+    """One request's stream: `send_layer` queues layer i's blocks; `finish` waits for all of it."""
+
+    def __init__(self, agent: KVTransferAgent, ticket: TransferTicket, src_block_ids: list[int]) -> None:
+        self.agent = agent
+        self.ticket = ticket
+        self.src_block_ids = src_block_ids
+        self.error: TransferError | None = None
+        self.bytes = 0
+        self._channel: Channel | None = None
+        self._queued = 0
+        self._done_jobs = 0
+        self._cv = threading.Condition()
+        self._started = time.monotonic()
+        self._closed = False
+        metrics.IN_FLIGHT.labels("send", agent.backend.name).inc()
+
+    def send_layer(self, layer: int, indices: range | None = None, final: bool = True,
+                   event: torch.cuda.Event | None = None) -> None:
+        """Queue layer `layer`'s blocks at prompt positions `indices` (default: all). Returns at once.
+
+        `event`, on CUDA, is recorded after the layer's KV was written; the sender waits on it first.
+        """
+        if indices is None:
+            indices = range(len(self.ticket.block_ids))
+        skip = self.ticket.skip_blocks
+        pairs = [(self.src_block_ids[i], self.ticket.block_ids[i]) for i in indices if i >= skip]
+        runs = coalesce([s for s, _ in pairs], [d for _, d in pairs])
+        with self._cv:
+            self._queued += 1
+        self.agent._jobs.put(lambda: self._run(layer, runs, final, event))
+
+    def _run(self, layer: int, runs, final: bool, event) -> None:
+        try:
+            if self.error is None and not self._closed:
+                if event is not None:
+                    event.synchronize()
+                if self._channel is None:
+                    self._channel = self.agent.backend.open_channel(self.ticket)
+                if time.time() > self.ticket.deadline:
+                    raise TransferTimeout(f"{self.ticket.request_id}: deadline passed while sending")
+                n = self._channel.write_layer(layer, runs, final)
+                self.bytes += n
+                metrics.BYTES.labels("send", self.agent.backend.name).inc(n)
+        except TransferError as e:
+            self.error = e
+        except Exception as e:  # backend failures become typed errors
+            self.error = TransferError(f"{self.ticket.request_id}: send failed: {e}")
+        finally:
+            with self._cv:
+                self._done_jobs += 1
+                self._cv.notify_all()
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait until every queued layer was written; raises the first error."""
+        if timeout is None:
+            timeout = max(0.0, self.ticket.deadline - time.time()) + 1.0
+        with self._cv:
+            ok = self._cv.wait_for(lambda: self._done_jobs == self._queued, timeout)
+        if not ok and self.error is None:
+            self.error = TransferTimeout(f"{self.ticket.request_id}: sending did not finish in time")
+        self._close(self.error)
+        if self.error is not None:
+            raise self.error
+
+    def abort(self) -> None:
+        """Stop sending; the receiver is told (where the backend can) and fails fast."""
+        self.error = self.error or TransferCancelled(f"{self.ticket.request_id}: sender aborted")
+        if self._channel is not None:
+            try:
+                self._channel.abort()
+            except Exception:
+                pass
+        self._close(self.error)
+
+    def _close(self, error: TransferError | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        backend = self.agent.backend.name
+        metrics.IN_FLIGHT.labels("send", backend).dec()
+        outcome = "success" if error is None else type(error).__name__.removeprefix("Transfer").lower()
+        metrics.TRANSFERS.labels("send", backend, outcome).inc()
+        if error is None:
+            metrics.LATENCY.labels("send", backend).observe(time.monotonic() - self._started)
+        if self._channel is not None:
+            self._channel.close()
+
+
+def make_agent(kind: str, layout: KVLayout, host: str = "127.0.0.1", port: int = 0,
+               name: str | None = None) -> KVTransferAgent:
+    """`kind`: auto (nixl when it imports and its agent starts, else tcp), nixl or tcp."""
+    if kind not in ("auto", "nixl", "tcp"):
+        raise ValueError(f"kv transport must be auto, nixl or tcp, got {kind!r}")
+    name = name or f"splitserve-{uuid.uuid4().hex[:12]}"
+    if kind in ("auto", "nixl"):
+        try:
+            from splitserve.kv_transfer.nixl_backend import NixlBackend
+
+            backend = NixlBackend(name)
+            log.info("kv transport: nixl (agent %s)", name)
+            return KVTransferAgent(layout, backend, name)
+        except Exception as e:
+            if kind == "nixl":
+                raise
+            log.info("kv transport: tcp (nixl unavailable: %s)", e)
+    from splitserve.kv_transfer.tcp_backend import TcpBackend
+
+    return KVTransferAgent(layout, TcpBackend(host, port), name)

@@ -1,0 +1,21 @@
+"""Typed transfer failures: the serving layer turns these into a local re-prefill."""
+
+
+class TransferError(Exception):
+    """A transfer failed (peer gone, bad data, backend error)."""
+
+
+class TransferTimeout(TransferError):
+    """The transfer did not complete before its deadline."""
+
+
+class TransferCancelled(TransferError):
+    """The transfer was cancelled by its owner."""
+
+
+class MalformedTicket(TransferError, ValueError):
+    """A ticket that does not parse or validate."""
+
+
+class IncompatibleLayout(MalformedTicket):
+    """The ticket's KV layout (layers, dtype, block bytes) does not match ours."""

@@ -1,0 +1,156 @@
+"""KV transfer over NIXL (UCX underneath: shared memory / CMA on one host, cuda_ipc between GPUs, RDMA across
+hosts). The sender WRITEs coalesced block runs of one layer (K and V in one request) into the receiver's
+registered KV memory; a NIXL notification per layer tells the receiver what landed.
+
+Notification: b"L|<layer>|<final 0/1>|<bytes>|<request id>" or b"A|<request id>" (sender aborted).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from splitserve.kv_transfer.errors import TransferError, TransferTimeout
+from splitserve.kv_transfer.layout import KVLayout
+from splitserve.kv_transfer.ticket import TransferTicket
+
+log = logging.getLogger("splitserve.kv_transfer.nixl")
+
+
+class NixlBackend:
+    name = "nixl"
+
+    def __init__(self, agent_name: str) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config  # raises ImportError where NIXL is absent
+
+        self.nixl = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        self._agent = None
+        self._reg = None
+        self._remotes: dict[str, str] = {}  # ticket agent name -> NIXL remote name
+        self._remote_lock = threading.Lock()
+        self._closed = False
+
+    def start(self, agent) -> None:
+        self._agent = agent
+        layout: KVLayout = agent.layout
+        tensors = [t for kv in layout.tensors for t in kv]
+        self._reg = self.nixl.register_memory(self.nixl.get_reg_descs(tensors))
+        self.mem_type = "VRAM" if layout.is_cuda else "DRAM"
+        self.dev_id = layout.device.index or 0
+        self._metadata = self.nixl.get_agent_metadata()
+        threading.Thread(target=self._notif_loop, name="kv-nixl-notifs", daemon=True).start()
+
+    def ticket_fields(self) -> dict:
+        layout: KVLayout = self._agent.layout
+        return {"nixl_metadata": self._metadata,
+                "regions": [[k.data_ptr(), v.data_ptr()] for k, v in layout.tensors]}
+
+    def _notif_loop(self) -> None:
+        agent = self._agent
+        while not self._closed:
+            try:
+                notifs = self.nixl.get_new_notifs()
+            except Exception as e:  # the agent is shutting down
+                log.debug("nixl notif poll failed: %s", e)
+                return
+            got = False
+            for msgs in notifs.values():
+                for msg in msgs:
+                    got = True
+                    self._on_notif(agent, msg)
+            if not got:
+                time.sleep(0.0005)
+
+    @staticmethod
+    def _on_notif(agent, msg: bytes) -> None:
+        try:
+            text = msg.decode()
+            if text.startswith("A|"):
+                rid = text[2:]
+                if agent.lookup(rid) is not None:
+                    agent.fail(rid, TransferError(f"{rid}: sender aborted"))
+                return
+            tag, layer, final, nbytes, rid = text.split("|", 4)
+            if tag != "L":
+                raise ValueError(tag)
+            ticket = agent.lookup(rid)
+            if ticket is None or not 0 <= int(layer) < ticket.num_layers or final not in ("0", "1"):
+                raise ValueError("unknown request or layer")
+            agent.landed(rid, int(layer), (0, 1), final == "1", int(nbytes))
+        except (ValueError, UnicodeDecodeError) as e:
+            log.warning("nixl: ignoring malformed notification %r: %s", msg[:80], e)
+
+    def _remote(self, ticket: TransferTicket) -> str:
+        with self._remote_lock:
+            name = self._remotes.get(ticket.agent)
+            if name is None:
+                name = self.nixl.add_remote_agent(ticket.nixl_metadata)
+                name = name.decode() if isinstance(name, bytes) else name
+                if name != ticket.agent:
+                    raise TransferError(f"ticket names agent {ticket.agent!r}, its metadata {name!r}")
+                self._remotes[ticket.agent] = name
+            return name
+
+    def open_channel(self, ticket: TransferTicket) -> NixlChannel:
+        return NixlChannel(self, ticket, self._remote(ticket))
+
+    def close(self) -> None:
+        self._closed = True
+        with self._remote_lock:
+            for name in self._remotes.values():
+                try:
+                    self.nixl.remove_remote_agent(name)
+                except Exception:
+                    pass
+            self._remotes.clear()
+        if self._reg is not None:
+            try:
+                self.nixl.deregister_memory(self._reg)
+            except Exception:
+                pass
+            self._reg = None
+
+
+class NixlChannel:
+    def __init__(self, backend: NixlBackend, ticket: TransferTicket, remote: str) -> None:
+        self.b = backend
+        self.ticket = ticket
+        self.remote = remote
+        self.layout: KVLayout = backend._agent.layout
+
+    def write_layer(self, layer: int, runs: list[tuple[int, int, int]], final: bool) -> int:
+        bb = self.layout.block_bytes
+        nbytes = 2 * sum(n for _, _, n in runs) * bb
+        notif = f"L|{layer}|{int(final)}|{nbytes}|{self.ticket.request_id}".encode()
+        if not runs:
+            if final:
+                self.b.nixl.send_notif(self.remote, notif)
+            return 0
+        local, remote = [], []
+        for kv in (0, 1):
+            base = self.layout.tensors[layer][kv].data_ptr()
+            rbase = self.ticket.regions[layer][kv]
+            for s, d, n in runs:
+                local.append((base + s * bb, n * bb, self.b.dev_id))
+                remote.append((rbase + d * bb, n * bb, self.ticket.device_id))
+        nx = self.b.nixl
+        handle = nx.initialize_xfer("WRITE", nx.get_xfer_descs(local, self.b.mem_type),
+                                    nx.get_xfer_descs(remote, self.ticket.mem_type), self.remote, notif)
+        try:
+            state = nx.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                if time.time() > self.ticket.deadline:
+                    raise TransferTimeout(f"{self.ticket.request_id}: layer {layer} not written by the deadline")
+                state = nx.check_xfer_state(handle)
+            if state == "ERR":
+                raise TransferError(f"{self.ticket.request_id}: NIXL reported an error on layer {layer}")
+        finally:
+            nx.release_xfer_handle(handle)
+        return nbytes
+
+    def abort(self) -> None:
+        self.b.nixl.send_notif(self.remote, f"A|{self.ticket.request_id}".encode())
+
+    def close(self) -> None:
+        pass
