@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 # A CPU build of torch; on a GPU host install the CUDA torch you want into the venv first.
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8000
+NIXL_VERSION ?= 1.5.1
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
@@ -17,6 +18,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# NIXL (KV transfer over UCX); --no-deps keeps pip from pulling a CUDA torch. Optional: TCP works without it.
+	$(BIN)/python -m pip install -q --no-deps "nixl==$(NIXL_VERSION)" "nixl-cu13==$(NIXL_VERSION)" || \
+		echo "NIXL not installed: the tcp KV transport will be used"
 	touch $@
 
 model: venv

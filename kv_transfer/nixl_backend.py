@@ -24,6 +24,11 @@ class NixlBackend:
     def __init__(self, agent_name: str) -> None:
         from nixl._api import nixl_agent, nixl_agent_config  # raises ImportError where NIXL is absent
 
+        # NIXL logs INFO lines to stdout; route its logger through ours (stderr, warnings and up)
+        nixl_log = logging.getLogger("nixl")
+        nixl_log.handlers.clear()
+        nixl_log.propagate = True
+        nixl_log.setLevel(logging.WARNING)
         self.nixl = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
         self._agent = None
         self._reg = None
