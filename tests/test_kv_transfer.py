@@ -159,7 +159,7 @@ def test_sixteen_concurrent_requests(receiver, peer):
         dst = dst_pool[i * 5 : (i + 1) * 5]
         ticket = receiver.expect(f"c{i}", dst, timeout_s=30)
         jobs.append((f"c{i}", src, dst, ticket))
-    for rid, src, _, ticket in jobs:
+    for _, src, _, ticket in jobs:
         peer.send(ticket, src)
 
     async def wait_all():
