@@ -37,6 +37,8 @@ class Channel(Protocol):
 
     def write_layer(self, layer: int, runs: list[tuple[int, int, int]], final: bool) -> int: ...
 
+    def write_all(self, runs: list[tuple[int, int, int]]) -> int: ...
+
     def abort(self) -> None: ...
 
     def close(self) -> None: ...
@@ -162,7 +164,8 @@ class KVTransferAgent:
             return None if p is None or p.done.is_set() else p.ticket
 
     def landed(self, request_id: str, layer: int, parts: Sequence[int], final: bool, nbytes: int) -> None:
-        """Bytes of `layer`'s K (0) and/or V (1) landed; `final` marks the request's last write of that layer."""
+        """Bytes of `layer`'s K (0) and/or V (1) landed (layer -1: every layer); `final` marks the request's
+        last write of that layer."""
         complete = False
         with self._lock:
             p = self._pending.get(request_id)
@@ -170,11 +173,12 @@ class KVTransferAgent:
                 return
             p.bytes += nbytes
             if final:
-                got = p.final_parts.setdefault(layer, set())
-                got.update(parts)
-                if got == {0, 1}:
-                    p.layers_done.add(layer)
-                    complete = len(p.layers_done) == p.ticket.num_layers
+                for i in range(p.ticket.num_layers) if layer < 0 else (layer,):
+                    got = p.final_parts.setdefault(i, set())
+                    got.update(parts)
+                    if got == {0, 1}:
+                        p.layers_done.add(i)
+                complete = len(p.layers_done) == p.ticket.num_layers
         metrics.BYTES.labels("recv", self.backend.name).inc(nbytes)
         if complete:
             self._finish(request_id, None)
@@ -289,6 +293,10 @@ class SendSession:
             self._queued += 1
         self.agent._jobs.put(lambda: self._run(layer, runs, final, event))
 
+    def send_all(self, indices: range | None = None, event: torch.cuda.Event | None = None) -> None:
+        """Queue every layer at once as one transfer (whole-request mode, when the KV is already computed)."""
+        self.send_layer(-1, indices, True, event)
+
     def _run(self, layer: int, runs, final: bool, event) -> None:
         try:
             if self.error is None and not self._closed:
@@ -298,7 +306,10 @@ class SendSession:
                     self._channel = self.agent.backend.open_channel(self.ticket)
                 if time.time() > self.ticket.deadline:
                     raise TransferTimeout(f"{self.ticket.request_id}: deadline passed while sending")
-                n = self._channel.write_layer(layer, runs, final)
+                if layer < 0:
+                    n = self._channel.write_all(runs)
+                else:
+                    n = self._channel.write_layer(layer, runs, final)
                 self.bytes += n
                 metrics.BYTES.labels("send", self.agent.backend.name).inc(n)
         except TransferError as e:

@@ -2,7 +2,8 @@
 hosts). The sender WRITEs coalesced block runs of one layer (K and V in one request) into the receiver's
 registered KV memory; a NIXL notification per layer tells the receiver what landed.
 
-Notification: b"L|<layer>|<final 0/1>|<bytes>|<request id>" or b"A|<request id>" (sender aborted).
+Notification: b"L|<layer>|<final 0/1>|<bytes>|<request id>" (layer -1: every layer, one transfer) or
+b"A|<request id>" (sender aborted).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class NixlBackend:
             if tag != "L":
                 raise ValueError(tag)
             ticket = agent.lookup(rid)
-            if ticket is None or not 0 <= int(layer) < ticket.num_layers or final not in ("0", "1"):
+            if ticket is None or not -1 <= int(layer) < ticket.num_layers or final not in ("0", "1"):
                 raise ValueError("unknown request or layer")
             agent.landed(rid, int(layer), (0, 1), final == "1", int(nbytes))
         except (ValueError, UnicodeDecodeError) as e:
@@ -125,31 +126,42 @@ class NixlChannel:
         self.layout: KVLayout = backend._agent.layout
 
     def write_layer(self, layer: int, runs: list[tuple[int, int, int]], final: bool) -> int:
+        return self._write((layer,), runs, final, layer)
+
+    def write_all(self, runs: list[tuple[int, int, int]]) -> int:
+        return self._write(range(self.layout.num_layers), runs, True, -1)
+
+    def _write(self, layers, runs: list[tuple[int, int, int]], final: bool, tag: int) -> int:
         bb = self.layout.block_bytes
-        nbytes = 2 * sum(n for _, _, n in runs) * bb
-        notif = f"L|{layer}|{int(final)}|{nbytes}|{self.ticket.request_id}".encode()
+        nbytes = 2 * len(layers) * sum(n for _, _, n in runs) * bb
+        notif = f"L|{tag}|{int(final)}|{nbytes}|{self.ticket.request_id}".encode()
         if not runs:
             if final:
                 self.b.nixl.send_notif(self.remote, notif)
             return 0
         local, remote = [], []
-        for kv in (0, 1):
-            base = self.layout.tensors[layer][kv].data_ptr()
-            rbase = self.ticket.regions[layer][kv]
-            for s, d, n in runs:
-                local.append((base + s * bb, n * bb, self.b.dev_id))
-                remote.append((rbase + d * bb, n * bb, self.ticket.device_id))
+        for layer in layers:
+            for kv in (0, 1):
+                base = self.layout.tensors[layer][kv].data_ptr()
+                rbase = self.ticket.regions[layer][kv]
+                for s, d, n in runs:
+                    local.append((base + s * bb, n * bb, self.b.dev_id))
+                    remote.append((rbase + d * bb, n * bb, self.ticket.device_id))
         nx = self.b.nixl
         handle = nx.initialize_xfer("WRITE", nx.get_xfer_descs(local, self.b.mem_type),
                                     nx.get_xfer_descs(remote, self.ticket.mem_type), self.remote, notif)
         try:
             state = nx.transfer(handle)
+            spins = 0
             while state not in ("DONE", "ERR"):
                 if time.time() > self.ticket.deadline:
-                    raise TransferTimeout(f"{self.ticket.request_id}: layer {layer} not written by the deadline")
+                    raise TransferTimeout(f"{self.ticket.request_id}: layer {tag} not written by the deadline")
+                spins += 1
+                if spins > 64:  # poll gently after a short spin: on small hosts the receiver needs the core
+                    time.sleep(0.0001)
                 state = nx.check_xfer_state(handle)
             if state == "ERR":
-                raise TransferError(f"{self.ticket.request_id}: NIXL reported an error on layer {layer}")
+                raise TransferError(f"{self.ticket.request_id}: NIXL reported an error on layer {tag}")
         finally:
             nx.release_xfer_handle(handle)
         return nbytes

@@ -196,6 +196,9 @@ class TcpChannel:
             sent += payload
         return sent
 
+    def write_all(self, runs: list[tuple[int, int, int]]) -> int:
+        return sum(self.write_layer(layer, runs, True) for layer in range(self.layout.num_layers))
+
     def abort(self) -> None:
         head = HEADER.pack(MAGIC, KIND_ABORT, 0, 0, len(self.rid), 0, 0, 0, 0)
         self.sock.sendall(head + self.rid)
