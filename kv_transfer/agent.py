@@ -39,6 +39,10 @@ class Channel(Protocol):
 
     def write_all(self, runs: list[tuple[int, int, int]]) -> int: ...
 
+    def flush(self) -> None: ...
+
+    def poll(self) -> None: ...
+
     def abort(self) -> None: ...
 
     def close(self) -> None: ...
@@ -79,6 +83,7 @@ class KVTransferAgent:
         self._finished: OrderedDict[str, _Pending] = OrderedDict()
         self._closed = False
         self._jobs: queue.Queue = queue.Queue()
+        self._active: set[SendSession] = set()  # sessions with an open channel (polled while idle)
         self._sender = threading.Thread(target=self._send_loop, name="kv-send", daemon=True)
         self._reaper = threading.Thread(target=self._reap_loop, name="kv-deadlines", daemon=True)
         backend.start(self)
@@ -243,7 +248,12 @@ class KVTransferAgent:
 
     def _send_loop(self) -> None:
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=0.0002 if self._active else None)
+            except queue.Empty:
+                for session in list(self._active):  # keep in-flight writes progressing between layers
+                    session._poll()
+                continue
             if job is None:
                 return
             job()
@@ -293,6 +303,28 @@ class SendSession:
             self._queued += 1
         self.agent._jobs.put(lambda: self._run(layer, runs, final, event))
 
+    def _poll(self) -> None:
+        try:
+            if self.error is None and self._channel is not None:
+                self._channel.poll()
+        except TransferError as e:
+            self.error = e
+        except Exception as e:
+            self.error = TransferError(f"{self.ticket.request_id}: send failed: {e}")
+
+    def _flush(self) -> None:
+        try:
+            if self.error is None and self._channel is not None:
+                self._channel.flush()
+        except TransferError as e:
+            self.error = e
+        except Exception as e:
+            self.error = TransferError(f"{self.ticket.request_id}: send failed: {e}")
+        finally:
+            with self._cv:
+                self._done_jobs += 1
+                self._cv.notify_all()
+
     def send_all(self, indices: range | None = None, event: torch.cuda.Event | None = None) -> None:
         """Queue every layer at once as one transfer (whole-request mode, when the KV is already computed)."""
         self.send_layer(-1, indices, True, event)
@@ -304,6 +336,7 @@ class SendSession:
                     event.synchronize()
                 if self._channel is None:
                     self._channel = self.agent.backend.open_channel(self.ticket)
+                    self.agent._active.add(self)
                 if time.time() > self.ticket.deadline:
                     raise TransferTimeout(f"{self.ticket.request_id}: deadline passed while sending")
                 if layer < 0:
@@ -323,6 +356,9 @@ class SendSession:
 
     def finish(self, timeout: float | None = None) -> None:
         """Wait until every queued layer was written; raises the first error."""
+        with self._cv:
+            self._queued += 1
+        self.agent._jobs.put(self._flush)
         if timeout is None:
             timeout = max(0.0, self.ticket.deadline - time.time()) + 1.0
         with self._cv:
@@ -353,6 +389,7 @@ class SendSession:
         metrics.TRANSFERS.labels("send", backend, outcome).inc()
         if error is None:
             metrics.LATENCY.labels("send", backend).observe(time.monotonic() - self._started)
+        self.agent._active.discard(self)
         if self._channel is not None:
             self._channel.close()
 

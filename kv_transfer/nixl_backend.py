@@ -9,6 +9,7 @@ b"A|<request id>" (sender aborted).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -17,6 +18,8 @@ from splitserve.kv_transfer.layout import KVLayout
 from splitserve.kv_transfer.ticket import TransferTicket
 
 log = logging.getLogger("splitserve.kv_transfer.nixl")
+
+POLL_S = float(os.environ.get("SPLITSERVE_KV_POLL_US", "50")) * 1e-6  # idle poll interval for completions
 
 
 class NixlBackend:
@@ -66,7 +69,7 @@ class NixlBackend:
                     got = True
                     self._on_notif(agent, msg)
             if not got:
-                time.sleep(0.0005)
+                time.sleep(POLL_S)
 
     @staticmethod
     def _on_notif(agent, msg: bytes) -> None:
@@ -119,25 +122,36 @@ class NixlBackend:
 
 
 class NixlChannel:
+    """Posts one WRITE per layer (or one for all layers) without waiting; `flush` waits for completion.
+
+    A final write of a layer waits for that layer's earlier (non-final) writes first, so its notification
+    never overtakes data of the same layer.
+    """
+
     def __init__(self, backend: NixlBackend, ticket: TransferTicket, remote: str) -> None:
         self.b = backend
         self.ticket = ticket
         self.remote = remote
         self.layout: KVLayout = backend._agent.layout
+        self._inflight: list[tuple[object, int]] = []  # (handle, layer tag)
 
     def write_layer(self, layer: int, runs: list[tuple[int, int, int]], final: bool) -> int:
-        return self._write((layer,), runs, final, layer)
+        if final:
+            self._wait(lambda tag: tag == layer)
+        return self._post((layer,), runs, final, layer)
 
     def write_all(self, runs: list[tuple[int, int, int]]) -> int:
-        return self._write(range(self.layout.num_layers), runs, True, -1)
+        self._wait(lambda tag: True)
+        return self._post(range(self.layout.num_layers), runs, True, -1)
 
-    def _write(self, layers, runs: list[tuple[int, int, int]], final: bool, tag: int) -> int:
+    def _post(self, layers, runs: list[tuple[int, int, int]], final: bool, tag: int) -> int:
         bb = self.layout.block_bytes
         nbytes = 2 * len(layers) * sum(n for _, _, n in runs) * bb
         notif = f"L|{tag}|{int(final)}|{nbytes}|{self.ticket.request_id}".encode()
+        nx = self.b.nixl
         if not runs:
             if final:
-                self.b.nixl.send_notif(self.remote, notif)
+                nx.send_notif(self.remote, notif)
             return 0
         local, remote = [], []
         for layer in layers:
@@ -147,27 +161,54 @@ class NixlChannel:
                 for s, d, n in runs:
                     local.append((base + s * bb, n * bb, self.b.dev_id))
                     remote.append((rbase + d * bb, n * bb, self.ticket.device_id))
-        nx = self.b.nixl
         handle = nx.initialize_xfer("WRITE", nx.get_xfer_descs(local, self.b.mem_type),
                                     nx.get_xfer_descs(remote, self.ticket.mem_type), self.remote, notif)
-        try:
-            state = nx.transfer(handle)
-            spins = 0
-            while state not in ("DONE", "ERR"):
-                if time.time() > self.ticket.deadline:
-                    raise TransferTimeout(f"{self.ticket.request_id}: layer {tag} not written by the deadline")
-                spins += 1
-                if spins > 64:  # poll gently after a short spin: on small hosts the receiver needs the core
-                    time.sleep(0.0001)
-                state = nx.check_xfer_state(handle)
-            if state == "ERR":
-                raise TransferError(f"{self.ticket.request_id}: NIXL reported an error on layer {tag}")
-        finally:
+        state = nx.transfer(handle)
+        if state == "ERR":
             nx.release_xfer_handle(handle)
+            raise TransferError(f"{self.ticket.request_id}: NIXL refused the write of layer {tag}")
+        self._inflight.append((handle, tag))
+        self._reap()
         return nbytes
+
+    def _reap(self) -> None:
+        nx = self.b.nixl
+        still = []
+        for handle, tag in self._inflight:
+            state = nx.check_xfer_state(handle)
+            if state == "ERR":
+                nx.release_xfer_handle(handle)
+                raise TransferError(f"{self.ticket.request_id}: NIXL reported an error on layer {tag}")
+            if state == "DONE":
+                nx.release_xfer_handle(handle)
+            else:
+                still.append((handle, tag))
+        self._inflight = still
+
+    def _wait(self, which) -> None:
+        spins = 0
+        while any(which(tag) for _, tag in self._inflight):
+            if time.time() > self.ticket.deadline:
+                raise TransferTimeout(f"{self.ticket.request_id}: writes not complete by the deadline")
+            self._reap()
+            spins += 1
+            if spins > 64:  # poll gently after a short spin: on small hosts the receiver needs the core
+                time.sleep(POLL_S)
+
+    def flush(self) -> None:
+        self._wait(lambda tag: True)
+
+    def poll(self) -> None:
+        if self._inflight:
+            self._reap()
 
     def abort(self) -> None:
         self.b.nixl.send_notif(self.remote, f"A|{self.ticket.request_id}".encode())
 
     def close(self) -> None:
-        pass
+        for handle, _ in self._inflight:
+            try:
+                self.b.nixl.release_xfer_handle(handle)
+            except Exception:
+                pass
+        self._inflight = []

@@ -199,6 +199,12 @@ class TcpChannel:
     def write_all(self, runs: list[tuple[int, int, int]]) -> int:
         return sum(self.write_layer(layer, runs, True) for layer in range(self.layout.num_layers))
 
+    def flush(self) -> None:
+        pass  # writes are synchronous
+
+    def poll(self) -> None:
+        pass
+
     def abort(self) -> None:
         head = HEADER.pack(MAGIC, KIND_ABORT, 0, 0, len(self.rid), 0, 0, 0, 0)
         self.sock.sendall(head + self.rid)

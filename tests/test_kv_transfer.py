@@ -329,7 +329,8 @@ def test_stream_hook_sends_chunks_layer_by_layer(receiver, backend):
         src, dst = blocks(rng, 6), blocks(rng, 6)
         ticket = receiver.expect("req-h", dst, skip_blocks=1, timeout_s=20)
         hook = KVStreamHook(block_size=16)
-        done = hook.register("req-h", sender.begin(TransferTicket.decode(ticket.encode()), src), n_tokens)
+        session = sender.begin(TransferTicket.decode(ticket.encode()), src)
+        done = hook.register("req-h", session, n_tokens)
 
         class R:
             request_id = "req-h"
@@ -344,7 +345,8 @@ def test_stream_hook_sends_chunks_layer_by_layer(receiver, backend):
                 time.sleep(0.3)
                 assert receiver.progress("req-h") == 0  # not final yet
         assert done.is_set()
-        receiver.wait_blocking("req-h")
+        receiver.wait_blocking("req-h")  # lands without the sender's finish(): in-flight writes are polled
+        session.finish()
         assert_landed(receiver, src[1:], dst[1:])
     finally:
         sender.close()
