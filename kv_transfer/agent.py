@@ -99,7 +99,8 @@ class KVTransferAgent:
         ticket = TransferTicket(
             request_id=request_id, backend=self.backend.name, agent=self.name,
             num_layers=self.layout.num_layers, block_bytes=self.layout.block_bytes, dtype=self.layout.dtype,
-            block_ids=list(block_ids), skip_blocks=skip_blocks, deadline=time.time() + timeout_s,
+            block_ids=list(block_ids), skip_blocks=skip_blocks, num_blocks=self.layout.num_blocks,
+            deadline=time.time() + timeout_s,
             device_id=self.layout.device.index or 0, mem_type="VRAM" if self.layout.is_cuda else "DRAM",
             **self.backend.ticket_fields(),
         )

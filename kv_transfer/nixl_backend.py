@@ -1,6 +1,8 @@
 """KV transfer over NIXL (UCX underneath: shared memory / CMA on one host, cuda_ipc between GPUs, RDMA across
 hosts). The sender WRITEs coalesced block runs of one layer (K and V in one request) into the receiver's
-registered KV memory; a NIXL notification per layer tells the receiver what landed.
+registered KV memory; a NIXL notification per layer tells the receiver what landed. Descriptor lists are
+prepared once per peer (one strided row per layer and K/V covering every block) and each transfer picks
+blocks by index, so contiguous runs merge into single descriptors and no per-transfer key unpacking happens.
 
 Notification: b"L|<layer>|<final 0/1>|<bytes>|<request id>" (layer -1: every layer, one transfer) or
 b"A|<request id>" (sender aborted).
@@ -13,6 +15,7 @@ import os
 import threading
 import time
 
+import numpy as np
 from splitserve.kv_transfer.errors import TransferError, TransferTimeout
 from splitserve.kv_transfer.layout import KVLayout
 from splitserve.kv_transfer.ticket import TransferTicket
@@ -36,7 +39,7 @@ class NixlBackend:
         self.nixl = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
         self._agent = None
         self._reg = None
-        self._remotes: dict[str, str] = {}  # ticket agent name -> NIXL remote name
+        self._remotes: dict[str, tuple[str, object]] = {}  # ticket agent -> (NIXL remote name, prepped dlist)
         self._remote_lock = threading.Lock()
         self._closed = False
 
@@ -48,6 +51,8 @@ class NixlBackend:
         self.mem_type = "VRAM" if layout.is_cuda else "DRAM"
         self.dev_id = layout.device.index or 0
         self._metadata = self.nixl.get_agent_metadata()
+        rows = [(t.data_ptr(), layout.block_bytes, self.dev_id, layout.block_bytes, layout.num_blocks) for t in tensors]
+        self._local_prep = self.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(rows, dtype=np.int64), self.mem_type)
         threading.Thread(target=self._notif_loop, name="kv-nixl-notifs", daemon=True).start()
 
     def ticket_fields(self) -> dict:
@@ -90,24 +95,28 @@ class NixlBackend:
         except (ValueError, UnicodeDecodeError) as e:
             log.warning("nixl: ignoring malformed notification %r: %s", msg[:80], e)
 
-    def _remote(self, ticket: TransferTicket) -> str:
+    def _remote(self, ticket: TransferTicket) -> tuple[str, object]:
         with self._remote_lock:
-            name = self._remotes.get(ticket.agent)
-            if name is None:
+            entry = self._remotes.get(ticket.agent)
+            if entry is None:
                 name = self.nixl.add_remote_agent(ticket.nixl_metadata)
                 name = name.decode() if isinstance(name, bytes) else name
                 if name != ticket.agent:
                     raise TransferError(f"ticket names agent {ticket.agent!r}, its metadata {name!r}")
-                self._remotes[ticket.agent] = name
-            return name
+                bb = ticket.block_bytes
+                rows = [(addr, bb, ticket.device_id, bb, ticket.num_blocks) for kv in ticket.regions for addr in kv]
+                prep = self.nixl.prep_xfer_dlist(name, np.array(rows, dtype=np.int64), ticket.mem_type)
+                entry = self._remotes[ticket.agent] = (name, prep)
+            return entry
 
     def open_channel(self, ticket: TransferTicket) -> NixlChannel:
-        return NixlChannel(self, ticket, self._remote(ticket))
+        name, prep = self._remote(ticket)
+        return NixlChannel(self, ticket, name, prep)
 
     def close(self) -> None:
         self._closed = True
         with self._remote_lock:
-            for name in self._remotes.values():
+            for name, _ in self._remotes.values():
                 try:
                     self.nixl.remove_remote_agent(name)
                 except Exception:
@@ -128,10 +137,11 @@ class NixlChannel:
     never overtakes data of the same layer.
     """
 
-    def __init__(self, backend: NixlBackend, ticket: TransferTicket, remote: str) -> None:
+    def __init__(self, backend: NixlBackend, ticket: TransferTicket, remote: str, remote_prep) -> None:
         self.b = backend
         self.ticket = ticket
         self.remote = remote
+        self.remote_prep = remote_prep
         self.layout: KVLayout = backend._agent.layout
         self._inflight: list[tuple[object, int]] = []  # (handle, layer tag)
 
@@ -153,16 +163,13 @@ class NixlChannel:
             if final:
                 nx.send_notif(self.remote, notif)
             return 0
-        local, remote = [], []
-        for layer in layers:
-            for kv in (0, 1):
-                base = self.layout.tensors[layer][kv].data_ptr()
-                rbase = self.ticket.regions[layer][kv]
-                for s, d, n in runs:
-                    local.append((base + s * bb, n * bb, self.b.dev_id))
-                    remote.append((rbase + d * bb, n * bb, self.ticket.device_id))
-        handle = nx.initialize_xfer("WRITE", nx.get_xfer_descs(local, self.b.mem_type),
-                                    nx.get_xfer_descs(remote, self.ticket.mem_type), self.remote, notif)
+        # block-level indices into the prepped lists: row (layer, kv) holds that tensor's blocks in order
+        src = np.concatenate([np.arange(s, s + n) for s, _, n in runs])
+        dst = np.concatenate([np.arange(d, d + n) for _, d, n in runs])
+        rows = np.array([2 * layer + kv for layer in layers for kv in (0, 1)])
+        local = (rows[:, None] * self.layout.num_blocks + src[None, :]).reshape(-1).astype(np.int32)
+        remote = (rows[:, None] * self.ticket.num_blocks + dst[None, :]).reshape(-1).astype(np.int32)
+        handle = nx.make_prepped_xfer("WRITE", self.b._local_prep, local, self.remote_prep, remote, notif)
         state = nx.transfer(handle)
         if state == "ERR":
             nx.release_xfer_handle(handle)

@@ -31,6 +31,7 @@ class TransferTicket:
     dtype: str
     block_ids: list[int]  # destination blocks, in prompt order (the same ids in every layer)
     skip_blocks: int = 0  # leading blocks the receiver already holds (its own prefix-cache hit)
+    num_blocks: int = 0  # blocks per layer in the receiver's KV cache (every block id is below it)
     deadline: float = 0.0  # unix time by which the transfer must complete
     endpoint: str = ""  # tcp: host:port of the receiver
     nixl_metadata: bytes = b""  # nixl: the receiving agent's metadata
@@ -84,6 +85,8 @@ class TransferTicket:
         need(isinstance(self.block_ids, list) and 0 < len(self.block_ids) <= MAX_BLOCKS, "block_ids: non-empty list")
         need(all(_is_int(b) and 0 <= b < 1 << 31 for b in self.block_ids), "block_ids: non-negative ints")
         need(len(set(self.block_ids)) == len(self.block_ids), "block_ids: no repeats")
+        need(_is_int(self.num_blocks) and max(self.block_ids) < self.num_blocks <= 1 << 31,
+             "num_blocks: above every block id")
         need(_is_int(self.skip_blocks) and 0 <= self.skip_blocks < len(self.block_ids), "skip_blocks: in range")
         need(isinstance(self.deadline, int | float) and math.isfinite(self.deadline), "deadline: a number")
         need(_is_int(self.device_id) and 0 <= self.device_id < 1024, "device_id")
