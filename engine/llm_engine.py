@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from splitserve.engine.block_pool import KVCacheEvent
 from splitserve.engine.config import EngineConfig, KVCacheSpec, parse_memory
 from splitserve.engine.model_files import resolve_model

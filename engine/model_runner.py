@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from splitserve.engine.attention import AttentionMetadata, PrefillSeq
 from splitserve.engine.models.arch import ArchConfig
 from splitserve.engine.models.llama import CausalLM

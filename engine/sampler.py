@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
+
 from splitserve.engine.request import Logprob, Request
 from splitserve.engine.scheduler import SampledToken
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
 from splitserve.kv_transfer import metrics
 from splitserve.kv_transfer.errors import (
     MalformedTicket,
@@ -236,12 +237,13 @@ class KVTransferAgent:
 
     # == sender (prefill) side =====================================================================
     def begin(self, ticket: TransferTicket, src_block_ids: Sequence[int]) -> SendSession:
-        """Start sending into a ticket's blocks from our `src_block_ids` (same order, same length)."""
+        """Start sending into a ticket's blocks from our `src_block_ids` (same order; a prefix of the
+        prompt's blocks is enough to start, the session's list may grow as blocks are allocated)."""
         ticket.validate()
         ticket.check_compatible(self.layout)
         if ticket.backend != self.backend.name:
             raise MalformedTicket(f"ticket is for backend {ticket.backend}, this agent runs {self.backend.name}")
-        if len(src_block_ids) != len(ticket.block_ids):
+        if len(src_block_ids) > len(ticket.block_ids):
             raise MalformedTicket(f"ticket has {len(ticket.block_ids)} blocks, sender has {len(src_block_ids)}")
         if any(not 0 <= b < self.layout.num_blocks for b in src_block_ids):
             raise ValueError("source block id out of range")

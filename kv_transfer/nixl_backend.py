@@ -16,6 +16,7 @@ import threading
 import time
 
 import numpy as np
+
 from splitserve.kv_transfer.errors import TransferError, TransferTimeout
 from splitserve.kv_transfer.layout import KVLayout
 from splitserve.kv_transfer.ticket import TransferTicket

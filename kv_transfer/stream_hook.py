@@ -7,19 +7,27 @@ prefix cache) are sent as soon as the engine reports that layer written. The fin
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from splitserve.kv_transfer.agent import SendSession
+from splitserve.kv_transfer.errors import TransferError
+
+log = logging.getLogger("splitserve.kv_transfer.hook")
 
 
 @dataclass
 class _Stream:
-    session: SendSession
     num_prompt_tokens: int
+    session: SendSession | None = None
+    factory: Callable[[list[int]], SendSession] | None = None  # builds the session from our block ids
     next_block: int = 0  # first prompt block not yet sent complete
     queued_final: threading.Event = field(default_factory=threading.Event)
+    error: TransferError | None = None
 
 
 class KVStreamHook:
@@ -30,12 +38,30 @@ class KVStreamHook:
         self._lock = threading.Lock()
         self._step: list[tuple[_Stream, range, bool]] = []
 
-    def register(self, request_id: str, session: SendSession, num_prompt_tokens: int) -> threading.Event:
-        """Stream `request_id`'s prompt KV through `session`; the event fires once every layer is queued."""
-        stream = _Stream(session, num_prompt_tokens)
+    def register(self, request_id: str, session: SendSession | Callable[[list[int]], SendSession],
+                 num_prompt_tokens: int) -> threading.Event:
+        """Stream `request_id`'s prompt KV; the event fires once every layer is queued (or the stream failed).
+
+        `session` is a SendSession, or a factory called on the engine thread with the request's block ids at
+        its first scheduled step (a prefill worker learns its block ids only then).
+        """
+        if isinstance(session, SendSession):
+            stream = _Stream(num_prompt_tokens, session=session)
+        else:
+            stream = _Stream(num_prompt_tokens, factory=session)
         with self._lock:
             self._streams[request_id] = stream
         return stream.queued_final
+
+    def session(self, request_id: str) -> SendSession | None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            return stream.session if stream else None
+
+    def error(self, request_id: str) -> TransferError | None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            return stream.error if stream else None
 
     def unregister(self, request_id: str) -> None:
         with self._lock:
@@ -49,13 +75,32 @@ class KVStreamHook:
                 return
             for s in scheduled:
                 stream = self._streams.get(s.request_id)
-                if stream is None or s.start >= stream.num_prompt_tokens:
+                if stream is None or stream.error is not None or s.start >= stream.num_prompt_tokens:
+                    continue
+                if s.start == 0 and stream.next_block > 0:  # preempted and recomputed: blocks changed
+                    self._fail(stream, TransferError(f"{s.request_id}: preempted while streaming its KV"))
+                    continue
+                try:
+                    if stream.session is None:
+                        stream.session = stream.factory(list(s.block_ids))
+                    else:
+                        stream.session.src_block_ids = list(s.block_ids)
+                except Exception as e:  # a bad ticket: fail this stream, keep the engine going
+                    self._fail(stream, e if isinstance(e, TransferError) else TransferError(str(e)))
                     continue
                 end = min(s.start + s.num_new_tokens, stream.num_prompt_tokens)
                 last_block = -(-end // self.block_size)
                 final = end == stream.num_prompt_tokens
                 self._step.append((stream, range(stream.next_block, last_block), final))
                 stream.next_block = end // self.block_size
+
+    @staticmethod
+    def _fail(stream: _Stream, error: TransferError) -> None:
+        log.warning("kv stream failed: %s", error)
+        stream.error = error
+        if stream.session is not None:
+            stream.session.abort()
+        stream.queued_final.set()
 
     def on_layer_written(self, layer_idx: int) -> None:
         if not self._step:

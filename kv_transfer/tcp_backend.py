@@ -17,6 +17,7 @@ import threading
 import zlib
 
 import torch
+
 from splitserve.kv_transfer.errors import TransferError
 from splitserve.kv_transfer.layout import KVLayout
 from splitserve.kv_transfer.ticket import TransferTicket

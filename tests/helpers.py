@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from splitserve.engine import CacheConfig, EngineConfig, ModelConfig, SamplingParams, SchedulerConfig
 from splitserve.engine.llm_engine import LLMEngine
 

@@ -12,6 +12,7 @@ import threading
 import time
 
 import torch
+
 from splitserve.kv_transfer import KVLayout, TransferTicket, make_agent
 
 SHAPE = dict(num_layers=6, num_blocks=96, block_size=16, heads=2, head_dim=32)

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from helpers import greedy, make_engine
+
 from splitserve.engine.async_engine import AsyncEngine
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from splitserve.engine.block_pool import BlockPool, BlockRemoved, BlockStored, NoFreeBlocksError
 
 NUM_BLOCKS = 12

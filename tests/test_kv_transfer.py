@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from kv_peer import SHAPE, make_kv
+
 from splitserve.kv_transfer import (
     IncompatibleLayout,
     KVLayout,

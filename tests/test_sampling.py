@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_engine
+
 from splitserve.engine import SamplingParams
 
 

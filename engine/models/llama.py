@@ -7,11 +7,12 @@ parallelism are applied from outside by sharding these modules.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from splitserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from splitserve.engine.models.arch import ArchConfig
 from splitserve.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from splitserve.engine.models.moe import SparseMoE
-from torch import nn
 
 
 class Attention(nn.Module):

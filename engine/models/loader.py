@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
 from splitserve.engine.models.arch import ArchConfig
 from splitserve.engine.models.llama import CausalLM
 

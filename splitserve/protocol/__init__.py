@@ -1,0 +1,3 @@
+"""The gRPC protocol between router and workers (generated stubs + validation)."""
+
+PROTOCOL_VERSION = 1

@@ -1,0 +1,183 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "has_seed", "seed", "stop", "stop_token_ids", "ignore_eos", "want_logprobs", "top_logprobs", "min_tokens", "include_stop_str_in_output")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    WANT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    has_seed: bool
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    want_logprobs: bool
+    top_logprobs: int
+    min_tokens: int
+    include_stop_str_in_output: bool
+    def __init__(self, max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., has_seed: bool | None = ..., seed: int | None = ..., stop: _Iterable[str] | None = ..., stop_token_ids: _Iterable[int] | None = ..., ignore_eos: bool | None = ..., want_logprobs: bool | None = ..., top_logprobs: int | None = ..., min_tokens: int | None = ..., include_stop_str_in_output: bool | None = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("protocol_version", "request_id", "prompt_token_ids", "params", "prefill_worker", "priority")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    prefill_worker: str
+    priority: int
+    def __init__(self, protocol_version: int | None = ..., request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., params: SamplingParams | _Mapping | None = ..., prefill_worker: str | None = ..., priority: int | None = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: int | None = ..., logprob: float | None = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: int | None = ..., logprob: float | None = ..., top: _Iterable[TopLogprob | _Mapping] | None = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "logprobs", "finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "error", "remote_prefill")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finished: bool
+    finish_reason: str
+    stop_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    error: str
+    remote_prefill: bool
+    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., logprobs: _Iterable[TokenLogprob | _Mapping] | None = ..., finished: bool | None = ..., finish_reason: str | None = ..., stop_reason: str | None = ..., prompt_tokens: int | None = ..., cached_tokens: int | None = ..., completion_tokens: int | None = ..., error: str | None = ..., remote_prefill: bool | None = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("protocol_version", "request_id", "prompt_token_ids", "params", "ticket")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: SamplingParams
+    ticket: bytes
+    def __init__(self, protocol_version: int | None = ..., request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., params: SamplingParams | _Mapping | None = ..., ticket: bytes | None = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "has_logprob", "cached_tokens", "kv_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    first_logprob: TokenLogprob
+    has_logprob: bool
+    cached_tokens: int
+    kv_bytes: int
+    def __init__(self, request_id: str | None = ..., first_token_id: int | None = ..., first_logprob: TokenLogprob | _Mapping | None = ..., has_logprob: bool | None = ..., cached_tokens: int | None = ..., kv_bytes: int | None = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: str | None = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: bool | None = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("live", "ready", "role", "model", "protocol_version")
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    live: bool
+    ready: bool
+    role: str
+    model: str
+    protocol_version: int
+    def __init__(self, live: bool | None = ..., ready: bool | None = ..., role: str | None = ..., model: str | None = ..., protocol_version: int | None = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("num_waiting", "num_running", "kv_blocks_used", "kv_blocks_total", "tokens_in_flight", "num_waiting_remote_kv", "num_held", "outstanding_requests")
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REMOTE_KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_in_flight: int
+    num_waiting_remote_kv: int
+    num_held: int
+    outstanding_requests: int
+    def __init__(self, num_waiting: int | None = ..., num_running: int | None = ..., kv_blocks_used: int | None = ..., kv_blocks_total: int | None = ..., tokens_in_flight: int | None = ..., num_waiting_remote_kv: int | None = ..., num_held: int | None = ..., outstanding_requests: int | None = ...) -> None: ...
