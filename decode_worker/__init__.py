@@ -1,1 +1,1 @@
-"""splitserve.decode_worker: see the package README for its role."""
+"""splitserve.decode_worker: orchestrates a request (reserve blocks, remote or local prefill) and decodes."""

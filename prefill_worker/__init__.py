@@ -1,1 +1,1 @@
-"""splitserve.prefill_worker: see the package README for its role."""
+"""splitserve.prefill_worker: computes prompts and streams their KV, layer by layer, into decode workers."""

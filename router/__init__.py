@@ -1,1 +1,1 @@
-"""splitserve.router: see the package README for its role."""
+"""splitserve.router: the OpenAI-compatible gateway that picks a prefill and a decode worker per request."""

@@ -81,6 +81,144 @@ def generate(
         typer.echo(result["text"])
 
 
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _worker(role: str, model: str, host: str, port: int, metrics_port: int, kv_transport: str,
+            kv_cache_memory: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+            max_model_len: int | None, dtype: str, device: str, prefill_peers: str | None,
+            disagg_threshold: int, transfer_timeout: float, threads: int, served_model_name: str | None) -> None:
+    import asyncio
+
+    from splitserve.engine.model_files import ModelNotFoundError, resolve_model
+    from splitserve.worker import WorkerConfig, serve
+
+    setup_logging()
+    try:
+        resolve_model(model)
+        cfg = WorkerConfig(role=role, model=model, served_model_name=served_model_name, host=host, port=port,
+                           metrics_port=metrics_port, kv_transport=kv_transport, kv_cache_memory=kv_cache_memory,
+                           block_size=block_size, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dtype=dtype,
+                           device=device, prefill_peers=_split(prefill_peers), disagg_threshold=disagg_threshold,
+                           transfer_timeout=transfer_timeout, threads=threads)
+    except (ModelNotFoundError, ValueError) as e:
+        fail(str(e))
+    asyncio.run(serve(cfg))
+
+
+_M = typer.Option(help="smollm2, a Hugging Face model directory, or a .gguf file")
+
+
+def _worker_command(role: str, default_port: int):
+    def command(
+        model: Annotated[str, _M] = "smollm2",
+        host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="gRPC port")] = default_port,
+        metrics_port: Annotated[int, typer.Option(help="HTTP port for /metrics, /healthz, /readyz (0: off)")] = 0,
+        kv_transport: Annotated[str, typer.Option(help="auto, nixl or tcp")] = "auto",
+        kv_cache_memory: Annotated[str, typer.Option(help="bytes (e.g. 1GiB) or a fraction of free memory")] = "auto",
+        block_size: Annotated[int, typer.Option()] = 16,
+        max_num_seqs: Annotated[int, typer.Option()] = 128,
+        max_num_batched_tokens: Annotated[int, typer.Option()] = 2048,
+        max_model_len: Annotated[int | None, typer.Option()] = None,
+        dtype: Annotated[str, typer.Option(help="auto, float32 or bfloat16")] = "auto",
+        device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+        prefill_peers: Annotated[str | None, typer.Option(help="decode role: prefill workers host:port,...")] = None,
+        disagg_threshold: Annotated[int, typer.Option(help="uncached prompt tokens below which decode prefills locally")] = 512,
+        transfer_timeout: Annotated[float, typer.Option(help="seconds a KV transfer may take")] = 30.0,
+        threads: Annotated[int, typer.Option(help="torch threads (0: default)")] = 0,
+        served_model_name: Annotated[str | None, typer.Option()] = None,
+    ) -> None:
+        _worker(role, model, host, port, metrics_port, kv_transport, kv_cache_memory, block_size, max_num_seqs,
+                max_num_batched_tokens, max_model_len, dtype, device, prefill_peers, disagg_threshold,
+                transfer_timeout, threads, served_model_name)
+
+    return command
+
+
+app.command("prefill", help="Run a prefill worker (computes prompts, streams their KV out).")(
+    _worker_command("prefill", 50061))
+app.command("decode", help="Run a decode worker (KV streamed in from prefill workers; local fallback).")(
+    _worker_command("decode", 50051))
+
+
+@app.command("worker")
+def worker(
+    role: Annotated[str, typer.Option(help="prefill, decode or both (colocated)")] = "both",
+    model: Annotated[str, _M] = "smollm2",
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="gRPC port")] = 50051,
+    metrics_port: Annotated[int, typer.Option()] = 0,
+    kv_transport: Annotated[str, typer.Option()] = "auto",
+    kv_cache_memory: Annotated[str, typer.Option()] = "auto",
+    prefill_peers: Annotated[str | None, typer.Option()] = None,
+    threads: Annotated[int, typer.Option()] = 0,
+    dtype: Annotated[str, typer.Option()] = "auto",
+    device: Annotated[str, typer.Option()] = "auto",
+) -> None:
+    """Run a worker of any role (`--role both` is the colocated baseline)."""
+    _worker(role, model, host, port, metrics_port, kv_transport, kv_cache_memory, 16, 128, 2048, None, dtype,
+            device, prefill_peers, 512, 30.0, threads, None)
+
+
+@app.command("router")
+def router(
+    decode: Annotated[str, typer.Option(help="decode (or colocated) workers host:port,...")],
+    prefill: Annotated[str | None, typer.Option(help="prefill workers host:port,...")] = None,
+    model: Annotated[str, _M] = "smollm2",
+    served_model_name: Annotated[str | None, typer.Option()] = None,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    max_inflight: Annotated[int, typer.Option(help="requests in flight before 429")] = 256,
+) -> None:
+    """Run the OpenAI-compatible gateway."""
+    import asyncio
+
+    from splitserve.engine.model_files import ModelNotFoundError
+    from splitserve.router.app import RouterConfig, serve
+
+    setup_logging()
+    try:
+        cfg = RouterConfig(model=model, served_model_name=served_model_name, decode=_split(decode),
+                           prefill=_split(prefill), host=host, port=port, max_inflight=max_inflight)
+        from splitserve.engine.model_files import resolve_model
+
+        resolve_model(model)
+    except (ModelNotFoundError, ValueError) as e:
+        fail(str(e))
+    asyncio.run(serve(cfg))
+
+
+@app.command("up")
+def up(
+    port: Annotated[int, typer.Option(help="gateway port")] = 8000,
+    prefill: Annotated[int, typer.Option(help="prefill workers (disaggregated mode)")] = 1,
+    decode: Annotated[int, typer.Option(help="decode workers (or colocated workers)")] = 1,
+    mode: Annotated[str, typer.Option(help="disaggregated or colocated")] = "disaggregated",
+    model: Annotated[str, _M] = "smollm2",
+    kv_transport: Annotated[str, typer.Option(help="auto, nixl or tcp")] = "auto",
+    disagg_threshold: Annotated[int, typer.Option(help="uncached prompt tokens below which decode prefills locally")] = 512,
+    kv_cache_memory: Annotated[str, typer.Option()] = "auto",
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    served_model_name: Annotated[str, typer.Option()] = "smollm2",
+) -> None:
+    """Start the gateway plus prefill and decode workers as local processes; Ctrl-C stops them all."""
+    from splitserve.engine.model_files import ModelNotFoundError, resolve_model
+    from splitserve.launcher import LaunchConfig, run
+
+    setup_logging()
+    try:
+        resolve_model(model)
+        cfg = LaunchConfig(port=port, num_prefill=prefill, num_decode=decode, mode=mode, model=model, host=host,
+                           kv_transport=kv_transport, disagg_threshold=disagg_threshold,
+                           kv_cache_memory=kv_cache_memory, served_model_name=served_model_name)
+    except (ModelNotFoundError, ValueError) as e:
+        fail(str(e))
+    raise typer.Exit(run(cfg))
+
+
 def main() -> None:
     app()
 

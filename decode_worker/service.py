@@ -1,0 +1,146 @@
+"""The Generate RPC on a decode worker: reserve KV blocks for the uncached part of the prompt, have the named
+prefill worker compute it and stream its KV in, then decode from the first token it returns.
+
+Short prompts (or no prefill worker) are prefilled locally. If the prefill worker fails, stalls past the
+transfer deadline or dies, the request is prefilled locally instead and still succeeds. Reserved blocks a
+failed transfer may still write into are freed only after the prefill call has ended (deferred free).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.kv_transfer import KVTransferAgent, TransferError
+from splitserve.metrics import LOCAL_PREFILL, REMOTE_PREFILL, WORKER_REQUESTS
+from splitserve.protocol import PROTOCOL_VERSION
+from splitserve.protocol import splitserve_pb2 as pb
+from splitserve.protocol import splitserve_pb2_grpc as pb_grpc
+from splitserve.protocol.convert import (
+    ProtocolError,
+    check_request,
+    logprob_from_pb,
+    logprob_to_pb,
+    params_from_pb,
+    params_to_pb,
+)
+
+log = logging.getLogger("splitserve.decode_worker")
+
+
+class RemotePrefillFailed(Exception):
+    pass
+
+
+class DecodeService:
+    def __init__(self, engine: AsyncEngine, agent: KVTransferAgent | None, prefill_peers: list[str],
+                 threshold: int = 512, transfer_timeout: float = 30.0) -> None:
+        self.engine = engine
+        self.agent = agent
+        self.threshold = threshold
+        self.transfer_timeout = transfer_timeout
+        self._peers = {p: pb_grpc.WorkerStub(grpc.aio.insecure_channel(p)) for p in prefill_peers} if agent else {}
+        self._warned: set[str] = set()
+
+    async def generate(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        eng = self.engine.engine
+        try:
+            check_request(req.protocol_version, req.request_id, req.prompt_token_ids, eng.arch.vocab_size,
+                          eng.max_model_len)
+            params = params_from_pb(req.params)
+            if req.prefill_worker and req.prefill_worker not in self._peers:
+                raise ProtocolError(f"prefill_worker {req.prefill_worker!r} is not one of this worker's peers")
+        except ProtocolError as e:
+            WORKER_REQUESTS.labels("generate", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        prompt = list(req.prompt_token_ids)
+        rid = req.request_id
+        stream: AsyncIterator[RequestOutput] | None = None
+        remote = False
+        if req.prefill_worker and len(prompt) >= self.threshold:
+            stream = await self._remote(rid, prompt, params, req.priority, req.prefill_worker)
+            remote = stream is not None
+        elif req.prefill_worker or self._peers:
+            LOCAL_PREFILL.labels("short_prompt" if req.prefill_worker else "no_prefill_worker").inc()
+        if stream is None:
+            stream = self.engine.generate(rid, prompt, params, req.priority)
+        async for out in stream:
+            yield _to_pb(out, remote)
+        WORKER_REQUESTS.labels("generate", "ok").inc()
+
+    async def _remote(self, rid, prompt, params, priority, peer) -> AsyncIterator[RequestOutput] | None:
+        """Remote prefill; None means prefill locally (the reason is counted)."""
+        reserved = await self.engine.reserve_remote(rid, prompt, params, priority)
+        if reserved is None:
+            LOCAL_PREFILL.labels("no_free_blocks").inc()
+            return None
+        block_ids, cached = reserved
+        bs = self.engine.engine.kv_spec.block_size
+        if len(prompt) - cached < self.threshold:
+            await self.engine.abort(rid)
+            LOCAL_PREFILL.labels("short_prompt").inc()
+            return None
+        ticket = self.agent.expect(rid, block_ids, skip_blocks=cached // bs, timeout_s=self.transfer_timeout)
+        call = self._peers[peer].Prefill(pb.PrefillRequest(
+            protocol_version=PROTOCOL_VERSION, request_id=rid, prompt_token_ids=prompt,
+            params=params_to_pb(params), ticket=ticket.encode()), timeout=self.transfer_timeout)
+        try:
+            landed = asyncio.ensure_future(self.agent.wait(rid))
+            try:
+                resp = await call
+                await landed
+            finally:
+                if not landed.done():
+                    landed.cancel()
+        except (TimeoutError, grpc.aio.AioRpcError, TransferError) as e:
+            self.agent.cancel(rid)
+            self.agent.forget(rid)
+            asyncio.ensure_future(self._free_after(rid, call))
+            REMOTE_PREFILL.labels("failed").inc()
+            LOCAL_PREFILL.labels("fallback").inc()
+            reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            if peer not in self._warned:
+                log.warning("remote prefill on %s failed (%s); prefilling locally", peer, reason)
+                self._warned.add(peer)
+            return self._local_after_fallback(rid, prompt, params, priority)
+        self.agent.forget(rid)
+        self._warned.discard(peer)
+        REMOTE_PREFILL.labels("ok").inc()
+        lp = logprob_from_pb(resp.first_logprob) if resp.has_logprob else None
+        return self.engine.stream_remote(rid, resp.first_token_id, lp)
+
+    async def _free_after(self, rid: str, call) -> None:
+        """Free a failed reservation once the prefill call is over (a late write can no longer land)."""
+        call.cancel()
+        try:
+            await asyncio.wait_for(call, timeout=self.transfer_timeout)
+        except BaseException:
+            pass
+        await asyncio.sleep(0.5)
+        await self.engine.abort(rid)
+
+    def _local_after_fallback(self, rid, prompt, params, priority) -> AsyncIterator[RequestOutput]:
+        # a new engine id: the failed reservation keeps its blocks until _free_after releases them
+        local_id = f"{rid}#local"
+
+        async def relabel() -> AsyncIterator[RequestOutput]:
+            async for out in self.engine.generate(local_id, prompt, params, priority):
+                out.request_id = rid
+                yield out
+
+        return relabel()
+
+
+def _to_pb(out: RequestOutput, remote: bool) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=out.request_id, token_ids=out.new_token_ids,
+        logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs], finished=out.finished,
+        finish_reason=out.finish_reason or "", stop_reason="" if out.stop_reason is None else str(out.stop_reason),
+        prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+        completion_tokens=out.num_output_tokens, error=out.error or "", remote_prefill=remote,
+    )

@@ -1,0 +1,81 @@
+"""The Prefill RPC: compute the prompt, stream its KV into the ticket's blocks, return the first token.
+
+The computed blocks stay in this worker's prefix cache after the transfer (they are released, not dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.kv_transfer import KVTransferAgent, MalformedTicket, TransferError, TransferTicket
+from splitserve.kv_transfer.stream_hook import KVStreamHook
+from splitserve.metrics import WORKER_REQUESTS
+from splitserve.protocol import splitserve_pb2 as pb
+from splitserve.protocol.convert import ProtocolError, check_request, logprob_to_pb, params_from_pb
+
+log = logging.getLogger("splitserve.prefill_worker")
+
+
+class PrefillService:
+    def __init__(self, engine: AsyncEngine, agent: KVTransferAgent, hook: KVStreamHook) -> None:
+        self.engine = engine
+        self.agent = agent
+        self.hook = hook
+
+    async def prefill(self, req: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        eng = self.engine.engine
+        try:
+            check_request(req.protocol_version, req.request_id, req.prompt_token_ids, eng.arch.vocab_size,
+                          eng.max_model_len)
+            params = params_from_pb(req.params)
+            ticket = TransferTicket.decode(req.ticket)
+            ticket.check_compatible(self.agent.layout)
+            if ticket.request_id != req.request_id:
+                raise ProtocolError("ticket.request_id differs from request_id")
+            need = -(-len(req.prompt_token_ids) // eng.kv_spec.block_size)
+            if len(ticket.block_ids) != need:
+                raise ProtocolError(f"ticket has {len(ticket.block_ids)} blocks, the prompt needs {need}")
+        except (ProtocolError, MalformedTicket) as e:
+            WORKER_REQUESTS.labels("prefill", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = req.request_id
+        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=[], ignore_eos=True)
+        prompt = list(req.prompt_token_ids)
+        done = self.hook.register(rid, lambda blocks: self.agent.begin(ticket, blocks), len(prompt))
+        sent = False
+        try:
+            first = None
+            async for out in self.engine.generate(rid, prompt, first_params, hold_blocks=True):
+                first = out
+            if first is None or first.finish_reason in ("abort", "error") or not first.new_token_ids:
+                raise TransferError(f"{rid}: prefill did not produce a token ({first and first.error})")
+            await asyncio.to_thread(done.wait, max(0.5, ticket.deadline - time.time()))
+            error = self.hook.error(rid)
+            session = self.hook.session(rid)
+            if error is not None or session is None:
+                raise error or TransferError(f"{rid}: no KV stream was started")
+            await asyncio.to_thread(session.finish)
+            sent = True
+        except TransferError as e:
+            WORKER_REQUESTS.labels("prefill", "transfer_error").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed: {e}")
+        finally:
+            if not sent:  # failed or cancelled (the decode worker gave up): stop writing into its blocks
+                session = self.hook.session(rid)
+                if session is not None:
+                    session.abort()
+            self.hook.unregister(rid)
+            await self.engine.release(rid)
+        WORKER_REQUESTS.labels("prefill", "ok").inc()
+        lp = first.new_logprobs[0] if first.new_logprobs else None
+        return pb.PrefillResponse(
+            request_id=rid, first_token_id=first.new_token_ids[0], has_logprob=lp is not None,
+            first_logprob=logprob_to_pb(lp) if lp is not None else None,
+            cached_tokens=first.num_cached_tokens, kv_bytes=session.bytes,
+        )

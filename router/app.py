@@ -1,0 +1,344 @@
+"""The OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+Per request: tokenize (chat template), pick the least-loaded healthy decode worker and prefill worker, call
+the decode worker over gRPC naming the prefill worker, detokenize incrementally (stop strings and multi-byte
+characters held back until complete), and answer as JSON or SSE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from splitserve import metrics as m
+from splitserve.engine.model_files import resolve_model
+from splitserve.engine.models.loader import load_arch
+from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.protocol import PROTOCOL_VERSION
+from splitserve.protocol import splitserve_pb2 as pb
+from splitserve.protocol.convert import params_to_pb
+from splitserve.router.errors import APIError, bad
+from splitserve.router.openai_protocol import GenerationSpec, parse
+from splitserve.router.pool import WorkerPool
+
+log = logging.getLogger("splitserve.router")
+MAX_BODY = 16 << 20
+
+
+@dataclass
+class RouterConfig:
+    model: str = "smollm2"
+    served_model_name: str | None = None
+    decode: list[str] = field(default_factory=list)
+    prefill: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_inflight: int = 256
+    max_model_len: int | None = None
+    health_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.decode:
+            raise ValueError("decode: at least one decode (or colocated) worker endpoint is required")
+        if self.max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")
+
+
+@dataclass
+class Piece:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Gateway:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        model_dir = resolve_model(cfg.model)
+        self.tokenizer = Tokenizer(model_dir)
+        arch = load_arch(model_dir)
+        self.max_model_len = cfg.max_model_len or arch.max_position_embeddings
+        self.model_name = cfg.served_model_name or cfg.model
+        self.pool = WorkerPool(cfg.decode, cfg.prefill, cfg.health_interval)
+        self.inflight = 0
+        self.created = int(time.time())
+
+    # -- generation ----------------------------------------------------------------------------------
+    async def generate(self, spec: GenerationSpec, rid: str) -> AsyncIterator[Piece]:
+        """Pieces of output text; retries on another decode worker if one fails before any token."""
+        tried: set[str] = set()
+        while True:
+            decode = self.pool.pick("decode")
+            if decode is None or decode.endpoint in tried:
+                raise APIError(503, "no healthy decode worker is available", code="no_workers")
+            tried.add(decode.endpoint)
+            prefill = self.pool.pick("prefill")
+            req = pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, request_id=rid,
+                                     prompt_token_ids=spec.prompt_token_ids, params=params_to_pb(spec.params),
+                                     prefill_worker=prefill.endpoint if prefill else "", priority=spec.priority)
+            sent_any = False
+            decode.outstanding += 1
+            if prefill:
+                prefill.outstanding += 1
+            call = decode.stub.Generate(req)
+            try:
+                async for piece in self._pieces(call, spec):
+                    sent_any = True
+                    yield piece
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise bad(e.details() or "invalid request") from None
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not sent_any:
+                    self.pool.mark_down(decode)
+                    continue
+                raise APIError(503 if not sent_any else 500, f"decode worker failed: {e.details()}",
+                               code="worker_error") from None
+            finally:
+                call.cancel()
+                decode.outstanding -= 1
+                if prefill:
+                    prefill.outstanding -= 1
+
+    async def _pieces(self, call, spec: GenerationSpec) -> AsyncIterator[Piece]:
+        sp = spec.params
+        detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, sp.stop, sp.include_stop_str_in_output)
+        completion = 0
+        async for resp in call:
+            if resp.error and resp.finish_reason == "error":
+                raise APIError(500, f"generation failed: {resp.error}", code="worker_error")
+            before = len(detok.text)
+            for t in resp.token_ids:
+                detok.add(t)
+            completion += len(resp.token_ids)
+            finish = resp.finish_reason if resp.finished else None
+            if detok.check_stop(len(detok.text) - before) is not None:
+                finish = "stop"
+            if finish == "abort":
+                raise APIError(500, "the request was aborted by the worker", code="worker_error")
+            yield Piece(detok.delta(finish is not None), list(resp.token_ids), list(resp.logprobs), finish,
+                        len(spec.prompt_token_ids), completion)
+            if finish is not None:
+                return
+
+    # -- HTTP handlers --------------------------------------------------------------------------------
+    async def _body(self, request: Request):
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise APIError(413, "request body too large")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad(f"request body is not valid JSON: {e}") from None
+
+    async def completions(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            spec = parse(await self._body(request), chat, self.tokenizer, self.max_model_len, {self.model_name})
+            if self.inflight >= self.cfg.max_inflight:
+                raise APIError(429, "too many requests in flight; retry later", code="queue_full")
+            if self.pool.pick("decode") is None:
+                raise APIError(503, "no healthy decode worker is available", code="no_workers")
+        except APIError as e:
+            m.REQUESTS.labels(endpoint, str(e.status)).inc()
+            return e.response()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        m.PROMPT_TOKENS.inc(len(spec.prompt_token_ids))
+        if spec.stream:
+            return StreamingResponse(self._sse(spec, rid, endpoint), media_type="text/event-stream")
+        return await self._unary(spec, rid, endpoint)
+
+    def _admit(self) -> float:
+        self.inflight += 1
+        m.QUEUE_DEPTH.set(self.inflight)
+        return time.monotonic()
+
+    def _release(self) -> None:
+        self.inflight -= 1
+        m.QUEUE_DEPTH.set(self.inflight)
+
+    async def _unary(self, spec: GenerationSpec, rid: str, endpoint: str) -> Response:
+        t0 = self._admit()
+        text, lps, finish, usage = [], [], None, (len(spec.prompt_token_ids), 0)
+        last = None
+        try:
+            async for p in self.generate(spec, rid):
+                now = time.monotonic()
+                if last is None and p.token_ids:
+                    m.TTFT.observe(now - t0)
+                elif p.token_ids:
+                    m.ITL.observe(now - last)
+                last = now
+                text.append(p.text)
+                lps.extend(p.logprobs)
+                finish = p.finish_reason
+                usage = (p.prompt_tokens, p.completion_tokens)
+        except APIError as e:
+            m.REQUESTS.labels(endpoint, str(e.status)).inc()
+            return e.response()
+        finally:
+            self._release()
+        m.E2E.observe(time.monotonic() - t0)
+        m.GENERATION_TOKENS.inc(usage[1])
+        m.REQUESTS.labels(endpoint, "200").inc()
+        body = {"id": rid, "created": int(time.time()), "model": self.model_name,
+                "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}}
+        if spec.chat:
+            body["object"] = "chat.completion"
+            body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                                "logprobs": self._chat_logprobs(lps, spec) if spec.logprobs else None,
+                                "finish_reason": finish}]
+        else:
+            body["object"] = "text_completion"
+            body["choices"] = [{"index": 0, "text": "".join(text), "finish_reason": finish,
+                                "logprobs": self._completion_logprobs(lps) if spec.logprobs else None}]
+        return JSONResponse(body)
+
+    async def _sse(self, spec: GenerationSpec, rid: str, endpoint: str) -> AsyncIterator[str]:
+        t0 = self._admit()
+        created = int(time.time())
+        obj = "chat.completion.chunk" if spec.chat else "text_completion"
+        usage = (len(spec.prompt_token_ids), 0)
+        status = "200"
+        last = None
+
+        def chunk(choice: dict | None, extra: dict | None = None) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+                    "choices": [choice] if choice is not None else []}
+            if extra:
+                body.update(extra)
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if spec.chat:
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            async for p in self.generate(spec, rid):
+                now = time.monotonic()
+                if last is None and p.token_ids:
+                    m.TTFT.observe(now - t0)
+                elif p.token_ids:
+                    m.ITL.observe(now - last)
+                last = now
+                usage = (p.prompt_tokens, p.completion_tokens)
+                if not p.text and p.finish_reason is None:
+                    continue
+                if spec.chat:
+                    lp = self._chat_logprobs(p.logprobs, spec) if spec.logprobs else None
+                    yield chunk({"index": 0, "delta": {"content": p.text} if p.text else {}, "logprobs": lp,
+                                 "finish_reason": p.finish_reason})
+                else:
+                    lp = self._completion_logprobs(p.logprobs) if spec.logprobs else None
+                    yield chunk({"index": 0, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason})
+            if spec.include_usage:
+                yield chunk(None, {"usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                                             "total_tokens": sum(usage)}})
+            m.E2E.observe(time.monotonic() - t0)
+        except APIError as e:
+            status = str(e.status)
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            self._release()
+            m.GENERATION_TOKENS.inc(usage[1])
+            m.REQUESTS.labels(endpoint, status).inc()
+        yield "data: [DONE]\n\n"
+
+    def _token_text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def _chat_logprobs(self, lps, spec: GenerationSpec) -> dict:
+        content = []
+        for lp in lps:
+            tok = self._token_text(lp.token_id)
+            content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
+                            "top_logprobs": [{"token": self._token_text(t.token_id), "logprob": t.logprob,
+                                              "bytes": list(self._token_text(t.token_id).encode())}
+                                             for t in lp.top[: spec.top_logprobs]]})
+        return {"content": content}
+
+    def _completion_logprobs(self, lps) -> dict:
+        return {"tokens": [self._token_text(lp.token_id) for lp in lps],
+                "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token_text(t.token_id): t.logprob for t in lp.top} for lp in lps],
+                "text_offset": []}
+
+    async def models(self, _: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                          "created": self.created, "owned_by": "splitserve",
+                                                          "max_model_len": self.max_model_len}]})
+
+    async def health(self, _: Request) -> Response:
+        workers = [{"endpoint": w.endpoint, "role": w.role, "healthy": w.healthy, "outstanding": w.outstanding}
+                   for w in self.pool.workers]
+        ok = self.pool.pick("decode") is not None
+        body = {"status": "ok" if ok else "unavailable", "all_healthy": all(w["healthy"] for w in workers),
+                "workers": workers}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(self, _: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(cfg: RouterConfig) -> Starlette:
+    gw = Gateway(cfg)
+
+    async def chat(request: Request) -> Response:
+        return await gw.completions(request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await gw.completions(request, chat=False)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette):
+        gw.pool.start()
+        await gw.pool.check_all()
+        yield
+        await gw.pool.close()
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, "internal server error").response()
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return APIError(404, f"no route {request.url.path}", code="not_found").response()
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        return APIError(405, f"method {request.method} not allowed on {request.url.path}").response()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", gw.models, methods=["GET"]),
+            Route("/health", gw.health, methods=["GET"]),
+            Route("/metrics", gw.metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={Exception: server_error, 404: not_found, 405: method_not_allowed},
+    )
+    app.state.gateway = gw
+    return app
+
+
+async def serve(cfg: RouterConfig) -> None:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(build_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=5))
+    await server.serve()
+

@@ -1,0 +1,27 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right HTTP status."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+                              503: "service_unavailable", 500: "internal_error"}.get(status, "api_error")
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code=code)
