@@ -219,6 +219,51 @@ def up(
     raise typer.Exit(run(cfg))
 
 
+@app.command("bench")
+def bench(
+    url: Annotated[str, typer.Option(help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")],
+    model: Annotated[str, typer.Option(help="model name to request")] = "smollm2",
+    num_requests: Annotated[int, typer.Option(help="requests to send")] = 32,
+    rate: Annotated[float, typer.Option(help="Poisson arrival rate, requests/s (0: all at once)")] = 1.0,
+    trace: Annotated[str | None, typer.Option(help="replay a trace: Mooncake .jsonl or Azure .csv")] = None,
+    time_scale: Annotated[float, typer.Option(help="multiply trace inter-arrival times by this")] = 1.0,
+    input_len: Annotated[int, typer.Option(help="prompt tokens (Poisson mode)")] = 256,
+    output_len: Annotated[int, typer.Option(help="output tokens (Poisson mode)")] = 32,
+    max_input_len: Annotated[int, typer.Option(help="clip trace prompt lengths")] = 4096,
+    max_output_len: Annotated[int, typer.Option(help="clip trace output lengths")] = 512,
+    vocab_low: Annotated[int, typer.Option(help="lowest token id used in synthetic prompts")] = 1000,
+    vocab_high: Annotated[int, typer.Option(help="highest token id (exclusive) in synthetic prompts")] = 30000,
+    slo_ttft: Annotated[float, typer.Option(help="TTFT SLO in seconds (goodput)")] = 2.0,
+    slo_itl: Annotated[float, typer.Option(help="p99 inter-token latency SLO per request, seconds")] = 0.2,
+    timeout: Annotated[float, typer.Option(help="per-request timeout, seconds")] = 600.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="end with one JSON line")] = False,
+    plot_path: Annotated[str | None, typer.Option("--plot", help="write latency CDFs to this PNG")] = None,
+    progress: Annotated[bool, typer.Option(help="progress bar on stderr")] = True,
+) -> None:
+    """Load-test an OpenAI-compatible URL (Poisson arrivals or a trace replay)."""
+    import asyncio
+
+    from splitserve import bench as b
+
+    setup_logging("warning")
+    if num_requests < 1 or rate < 0 or not 0 <= vocab_low < vocab_high:
+        fail("num-requests must be >= 1, rate >= 0 and vocab-low < vocab-high")
+    vocab = (vocab_low, vocab_high)
+    try:
+        jobs = (b.load_trace(trace, num_requests, time_scale, max_input_len, max_output_len, vocab, seed) if trace
+                else b.poisson_jobs(num_requests, rate, input_len, output_len, vocab, seed))
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"cannot load trace: {e}")
+    results, elapsed = asyncio.run(b.run(url.rstrip("/"), model, jobs, timeout, progress))
+    summary = b.summarize(results, elapsed, slo_ttft, slo_itl)
+    b.print_table(summary)
+    if plot_path:
+        b.plot(results, plot_path)
+    if as_json:
+        print(json.dumps(summary))
+
+
 def main() -> None:
     app()
 

@@ -61,6 +61,7 @@ class Launcher:
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._reported: set[str] = set()
         self.components: dict = {"router": f"http://{cfg.host}:{cfg.port}", "prefill": [], "decode": []}
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -106,10 +107,18 @@ class Launcher:
             router_args += ["--prefill", ",".join(prefill_eps)]
         self._spawn("router", router_args)
 
-    def dead(self) -> str | None:
+    def dead(self, fatal_only: bool = False) -> str | None:
+        """A component that exited; with fatal_only, only the router or the last decode worker counts (the
+        gateway routes around a dead prefill worker or a dead decode worker while another one lives)."""
+        decode = [p for name, p in self.procs if name.startswith("decode")]
         for name, p in self.procs:
-            if p.poll() is not None:
+            if p.poll() is None:
+                continue
+            if not fatal_only or name == "router" or all(d.poll() is not None for d in decode):
                 return f"{name} exited with code {p.returncode}"
+            if name not in self._reported:
+                self._reported.add(name)
+                log.warning("%s exited with code %s; still serving", name, p.returncode)
         return None
 
     def wait_ready(self, stop: list[bool]) -> bool:
@@ -169,7 +178,7 @@ def run(cfg: LaunchConfig) -> int:
               f"'{{\"model\": \"{cfg.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               flush=True)
         while not stop[0]:
-            problem = launcher.dead()
+            problem = launcher.dead(fatal_only=True)
             if problem:
                 log.error("stopping: %s", problem)
                 code = 1
