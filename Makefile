@@ -9,7 +9,7 @@ NIXL_VERSION ?= 1.5.1
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: up test venv model lint proto clean
+.PHONY: up test venv model lint proto clean bench
 
 venv: $(BIN)/.installed
 
@@ -27,11 +27,13 @@ model: venv
 	$(BIN)/splitserve fetch-model $(MODEL) >/dev/null
 
 up: model
-	$(BIN)/splitserve generate --model $(MODEL) --chat --max-tokens 64 --temperature 0 \
-		--prompt "In two sentences, what is disaggregated prefill/decode serving?"
+	$(BIN)/splitserve up --model $(MODEL) --port $(PORT)
 
 test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+proto: venv
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. splitserve/protocol/splitserve.proto
 
 lint: venv
 	$(BIN)/ruff check .

@@ -1,0 +1,87 @@
+"""Run `splitserve up` as a real process group for the serving tests."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Up:
+    def __init__(self, *args: str, timeout: float = 240.0) -> None:
+        self.port = free_port()
+        exe = Path(sys.executable).parent / "splitserve"
+        self.proc = subprocess.Popen([str(exe), "up", "--port", str(self.port), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.stderr: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.components: dict = {}
+        deadline = time.monotonic() + timeout
+        ready = False
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if "ready" in line:
+                ready = True
+            m = re.match(r"splitserve components (.*)", line)
+            if m:
+                self.components = json.loads(m.group(1))
+                break
+        if not ready or not self.components:
+            self.stop()
+            raise RuntimeError("splitserve up did not become ready:\n" + "".join(self.stderr[-30:]))
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def metrics(self, role: str, index: int = 0) -> dict[str, float]:
+        """A worker's /metrics as {'name{labels}': value}."""
+        with urllib.request.urlopen(self.components[role][index]["metrics"] + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def stats(self, role: str, index: int = 0) -> dict:
+        with urllib.request.urlopen(self.components[role][index]["metrics"] + "/stats", timeout=10) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
+    total = 0.0
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
