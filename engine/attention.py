@@ -6,11 +6,14 @@ bytes are contiguous and a run of consecutive block ids is one contiguous region
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -53,11 +56,18 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+        decode = _triton_decode if q.is_cuda and _HAS_TRITON else _decode_attention
+        out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale)
     for p in meta.prefills:
         sl = slice(p.token_start, p.token_start + p.num_tokens)
         out[sl] = _prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, p, scale)
     return out
+
+
+def _triton_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from splitserve.engine.kernels.triton_paged_attention import paged_decode_attention
+
+    return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -46,8 +46,11 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     max_model_len: int | None = None
     served_model_name: str | None = None
+    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (benchmarks)
 
     def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -36,7 +36,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, on_kv_event: Callable[[KVCacheEvent], None] | None = None) -> None:
         self.config = config
         mc = config.model
-        self.model_dir = resolve_model(mc.model)
+        self.model_dir = resolve_model(mc.model, need_weights=mc.load_format != "dummy")
         self.model_name = mc.served_model_name or mc.model
         self.device = torch.device(mc.device if mc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype_name = mc.dtype if mc.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
@@ -48,7 +48,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's {self.arch.max_position_embeddings} positions"
             )
         self.tokenizer = Tokenizer.maybe(self.model_dir)
-        model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len)
+        model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len, dummy=mc.load_format == "dummy")
         block_size = config.cache.block_size
         self.runner = ModelRunner(model, self.arch, self.device, self.dtype, block_size, config.seed)
         num_blocks = self._num_kv_blocks()

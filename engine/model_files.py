@@ -38,7 +38,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
 
 
-def resolve_model(name_or_path: str) -> Path:
+def resolve_model(name_or_path: str, need_weights: bool = True) -> Path:
     """A local directory holding config.json, *.safetensors and (if any) the tokenizer."""
     if name_or_path in EMBEDDED:
         return _embedded(name_or_path)
@@ -49,7 +49,7 @@ def resolve_model(name_or_path: str) -> Path:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
-        if not any(path.glob("*.safetensors")):
+        if need_weights and not any(path.glob("*.safetensors")):
             raise ModelNotFoundError(f"{path} has no *.safetensors weights")
         return path
     raise ModelNotFoundError(

@@ -185,7 +185,7 @@ def plot(results: list[Result], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("splitserve: error: --plot needs matplotlib (pip install matplotlib)") from None
+        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
     ok = [r for r in results if r.ok]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, (name, vals) in zip(axes, (("TTFT (s)", [r.ttft for r in ok]),

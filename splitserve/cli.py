@@ -259,7 +259,10 @@ def bench(
     summary = b.summarize(results, elapsed, slo_ttft, slo_itl)
     b.print_table(summary)
     if plot_path:
-        b.plot(results, plot_path)
+        try:
+            b.plot(results, plot_path)
+        except RuntimeError as e:  # report, but keep the results (and the JSON line) coming
+            typer.echo(f"splitserve: error: {e}", err=True)
     if as_json:
         print(json.dumps(summary))
 

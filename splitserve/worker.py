@@ -149,6 +149,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """Build the role's services on the event loop (gRPC channels need it); readiness flips here."""
         cfg, engine, agent = self.cfg, self._llm, self.agent
         from splitserve.engine.async_engine import AsyncEngine
+        from splitserve.kv_transfer import metrics as kv_metrics
+        from splitserve.metrics import LOCAL_PREFILL
+
+        # every label set this worker can report starts at 0, so dashboards see the series from the start
+        for direction in ("send", "recv"):
+            kv_metrics.BYTES.labels(direction, agent.backend.name if agent else "none")
+        if cfg.role != "prefill":
+            for reason in ("short_prompt", "fallback", "no_prefill_worker", "no_free_blocks"):
+                LOCAL_PREFILL.labels(reason)
 
         if cfg.role == "prefill":
             from splitserve.kv_transfer.stream_hook import KVStreamHook

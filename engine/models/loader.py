@@ -21,14 +21,25 @@ def load_arch(model_dir: str | Path) -> ArchConfig:
         return ArchConfig.from_hf(json.load(f))
 
 
-def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_position: int) -> CausalLM:
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_position: int,
+               dummy: bool = False) -> CausalLM:
+    """`dummy`: random weights (N(0, 0.02), norms at 1) instead of the checkpoint, for benchmarks."""
     arch = load_arch(model_dir)
     with torch.device("meta"):
         model = CausalLM(arch, max_position)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.rotary.build_tables(device)  # float32 tables, computed on the device
-    _load_weights(model, arch, Path(model_dir), device, dtype)
+    if dummy:
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    else:
+        _load_weights(model, arch, Path(model_dir), device, dtype)
     model.eval()
     return model
 

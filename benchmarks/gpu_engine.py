@@ -1,0 +1,226 @@
+"""The engine on a GPU, measured against the hardware floors measured in the same run.
+
+1. decode step time for a Llama-3.1-8B-shaped model (random bf16 weights) at batch 1/8/32/128, 1k-token
+   contexts, against floor = (weight bytes + KV bytes read) / device copy bandwidth
+2. prefill throughput at 2k and 8k-token prompts as a fraction of the measured bf16 matmul rate (MFU)
+3. offline throughput against Hugging Face `generate` on the same GPU (--offline-prompts x 512 in / 256 out)
+4. a Qwen3-30B-A3B-shaped MoE: decode tokens/s at batch 64 (EP/TP entries are null until they exist)
+Writes one JSON file under benchmarks/results/ (or --out) and prints a table, then the JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+           "tie_word_embeddings": False,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+                 "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                 "max_position_embeddings": 40960, "tie_word_embeddings": False, "decoder_sparse_step": 1,
+                 "mlp_only_layers": []}
+
+
+def model_dir(cfg: dict) -> str:
+    d = tempfile.mkdtemp(prefix="splitserve-bench-")
+    Path(d, "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def copy_gbps() -> float:
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * n / statistics.median(ts) / 1e9  # bytes read + written
+
+
+def matmul_tflops() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+        e0.record()
+        a @ b
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * n**3 / statistics.median(ts) / 1e12
+
+
+def engine_for(path: str, max_len: int, budget: int, seqs: int, kv: str):
+    from splitserve.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from splitserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(path, dtype="bfloat16", device="cuda", max_model_len=max_len, load_format="dummy"),
+        cache=CacheConfig(kv_cache_memory=kv, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs),
+    ))
+
+
+def weight_bytes(engine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+
+
+def decode_steps(engine, batch: int, context: int, steps: int = 20) -> float:
+    from splitserve.engine import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    vocab = engine.arch.vocab_size
+    for i in range(batch):
+        prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+        engine.add_request(f"d{batch}-{i}", prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    for r in list(engine.scheduler.running):
+        engine.abort_request(r.request_id)
+    return statistics.median(ts)
+
+
+def prefill_rate(engine, tokens: int) -> float:
+    from splitserve.engine import SamplingParams
+
+    vocab = engine.arch.vocab_size
+    prompt = torch.randint(0, vocab, (tokens,)).tolist()
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))  # warm-up
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        engine.generate([torch.randint(0, vocab, (tokens,)).tolist()], SamplingParams(max_tokens=1, temperature=0))
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return tokens / statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--offline-prompts", type=int, default=256)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,prefill,offline,moe")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name(0)
+    res = {"device": dev, "copy_gbps": copy_gbps(), "matmul_tflops": matmul_tflops(), "decode": None,
+           "prefill": None, "offline": None, "moe": None, "notes": []}
+    print(f"device {dev}: copy {res['copy_gbps']:.0f} GB/s (read+write), bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s",
+          flush=True)
+    dense = model_dir(LLAMA8B)
+    eng = engine_for(dense, 16384, 16384, 256, "40GiB")
+    wbytes = weight_bytes(eng)
+    kv_per_token = 2 * 32 * 8 * 128 * 2
+    if "decode" not in skip:
+        res["decode"] = []
+        for b in map(int, args.batches.split(",")):
+            step = decode_steps(eng, b, args.context)
+            floor = (wbytes + b * (args.context + 10) * kv_per_token) / (res["copy_gbps"] * 1e9)
+            res["decode"].append({"batch": b, "context": args.context, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
+                                  "bw_util": floor / step})
+            print(f"decode batch {b:>4}: {step * 1e3:8.2f} ms/step, floor {floor * 1e3:6.2f} ms, "
+                  f"util {floor / step:.2f}", flush=True)
+    if "prefill" not in skip:
+        res["prefill"] = []
+        params = wbytes / 2
+        for tokens in (2048, 8192):
+            rate = prefill_rate(eng, tokens)
+            attn = 4 * 32 * tokens * 4096 / 2  # causal attention FLOPs per token (QK^T and PV), per layer summed
+            flops_per_token = 2 * params + attn
+            mfu = rate * flops_per_token / (res["matmul_tflops"] * 1e12)
+            res["prefill"].append({"tokens": tokens, "tok_s": rate, "mfu": mfu})
+            print(f"prefill {tokens:>5} tokens: {rate:9.0f} tok/s, MFU {mfu:.2f}", flush=True)
+    if "offline" not in skip:
+        from splitserve.engine import SamplingParams
+
+        n = args.offline_prompts
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 128256, (512,), generator=g).tolist() for _ in range(n)]
+        sp = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, sp)
+        torch.cuda.synchronize()
+        ours = sum(len(r["token_ids"]) for r in out) / (time.perf_counter() - t0)
+        model = eng.runner.model
+        del eng, out
+        hf_tok_s = None
+        try:
+            from transformers import AutoModelForCausalLM, LlamaConfig
+
+            cfg = LlamaConfig(**{k: v for k, v in LLAMA8B.items() if k not in ("architectures", "model_type")})
+            with torch.device("cuda"):
+                hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+            ids = torch.tensor(prompts, device="cuda")
+            with torch.no_grad():
+                hf.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                o = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=256, min_new_tokens=256,
+                                do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+            hf_tok_s = (o.shape[1] - 512) * n / (time.perf_counter() - t0)
+            del hf
+        except Exception as e:  # keep the rest of the results
+            res["notes"].append(f"hf generate failed: {e}")
+        res["offline"] = {"prompts": n, "input_len": 512, "output_len": 256, "ours_tok_s": ours, "hf_tok_s": hf_tok_s,
+                          "ratio": ours / hf_tok_s if hf_tok_s else None}
+        print(f"offline {n} x 512/256: ours {ours:.0f} tok/s, hf {hf_tok_s} tok/s", flush=True)
+        del model
+    else:
+        del eng
+    torch.cuda.empty_cache()
+    if "moe" not in skip:
+        moe = engine_for(model_dir(QWEN3_30B_A3B), 4096, 8192, 128, "16GiB")
+        step = decode_steps(moe, 64, 512, steps=10)
+        res["moe"] = [{"ep": 1, "tp": 1, "batch": 64, "tok_s": 64 / step}, {"ep": 2, "tp": 1, "batch": 64, "tok_s": None},
+                      {"ep": 1, "tp": 2, "batch": 64, "tok_s": None}]
+        res["notes"].append("EP=2 and TP=2 are not implemented yet: null")
+        print(f"moe qwen3-30b-a3b shape, batch 64: {64 / step:.0f} tok/s ({step * 1e3:.1f} ms/step)", flush=True)
+    out = args.out or str(Path(os.environ.get("OUT", "benchmarks/results")) /
+                          f"gpu_engine_{dev.replace(' ', '_').lower()}.json")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
