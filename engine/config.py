@@ -47,6 +47,7 @@ class ModelConfig:
     max_model_len: int | None = None
     served_model_name: str | None = None
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (benchmarks)
+    enforce_eager: bool = False  # CUDA: no decode graphs
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):

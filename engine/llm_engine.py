@@ -50,7 +50,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer.maybe(self.model_dir)
         model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len, dummy=mc.load_format == "dummy")
         block_size = config.cache.block_size
-        self.runner = ModelRunner(model, self.arch, self.device, self.dtype, block_size, config.seed)
+        self.runner = ModelRunner(model, self.arch, self.device, self.dtype, block_size, config.seed,
+                                  cuda_graphs=not mc.enforce_eager, max_model_len=self.max_model_len,
+                                  max_num_seqs=config.scheduler.max_num_seqs)
         num_blocks = self._num_kv_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.kv_spec = KVCacheSpec(num_blocks, block_size, self.arch.num_layers, self.arch.num_kv_heads,

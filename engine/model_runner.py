@@ -32,7 +32,8 @@ class KVLayerHook(Protocol):
 
 class ModelRunner:
     def __init__(self, model: CausalLM, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
-                 block_size: int, seed: int = 0) -> None:
+                 block_size: int, seed: int = 0, cuda_graphs: bool = True, max_model_len: int = 4096,
+                 max_num_seqs: int = 128) -> None:
         self.model = model
         self.arch = arch
         self.device = device
@@ -44,21 +45,35 @@ class ModelRunner:
 
             pack_linears(model)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.graphs = None
 
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.arch.num_layers * self.block_size * self.arch.num_kv_heads * self.arch.head_dim * itemsize
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # on CUDA one extra scratch block takes the (ignored) writes of padded CUDA-graph rows
+        shape = (num_blocks + int(self.use_graphs), self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.arch.num_layers)
         ]
+        if self.use_graphs:
+            from splitserve.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size,
+                                       -(-self.max_model_len // self.block_size), self.max_num_seqs, self.device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, hook: KVLayerHook | None = None) -> dict[str, SampledToken]:
+        if self.graphs is not None and hook is None and len(sched.scheduled) <= self.graphs.max_batch \
+                and all(s.num_new_tokens == 1 for s in sched.scheduled):
+            return self._execute_graph(sched)
         # Decodes (one new token) first, so their attention runs as one batched gather.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         meta, input_ids, positions, sample_idx = self._prepare(order)
@@ -73,6 +88,23 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[sample_idx])
         tokens = self.sampler.sample(logits, sampling)
+        return {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
+
+    def _execute_graph(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+        bs = self.block_size
+        items = sched.scheduled
+        logits = self.graphs.run(
+            [s.request.token_slice(s.start, s.start + 1)[0] for s in items],
+            [s.start for s in items],
+            [s.block_ids[s.start // bs] * bs + s.start % bs for s in items],
+            [s.block_ids for s in items],
+            [s.start + 1 for s in items],
+        )
+        rows = [i for i, s in enumerate(items) if s.sample]
+        if not rows:
+            return {}
+        sampling = [items[i].request for i in rows]
+        tokens = self.sampler.sample(logits[rows].float(), sampling)
         return {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
 
     def _prepare(self, order: list[ScheduledRequest]):

@@ -1,0 +1,87 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured once, replayed with inputs copied
+into static buffers, so a decode step costs a few copies and one launch instead of thousands.
+
+Padded rows of a bucket write their (ignored) K/V into a scratch block that the block pool never hands out.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.models.llama import CausalLM
+
+log = logging.getLogger("splitserve.engine.cuda_graphs")
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, kv_caches, scratch_block: int, block_size: int, max_blocks: int,
+                 max_batch: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scratch = scratch_block
+        self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=device)
+        self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=device)
+        self.lens = torch.ones(n, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=self.slots[:b], block_size=self.block_size, num_decodes=b,
+                                 decode_block_tables=self.tables[:b], decode_seq_lens=self.lens[:b])
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in self.buckets:  # warm-up: compile kernels, settle the allocator
+                self._forward(b)
+        torch.cuda.current_stream().wait_stream(stream)
+        for b in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(b)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            lens: list[int]) -> torch.Tensor:
+        """Logits [n, vocab] for n single-token decodes."""
+        n = len(input_ids)
+        b = next(x for x in self.buckets if x >= n)
+        dev = self.input_ids.device
+        self.input_ids[:n].copy_(torch.tensor(input_ids), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
+        self.slots[:n].copy_(torch.tensor(slots), non_blocking=True)
+        self.lens[:n].copy_(torch.tensor(lens), non_blocking=True)
+        width = max(len(t) for t in tables)
+        padded = torch.full((n, width), self.scratch, dtype=torch.long)
+        for i, t in enumerate(tables):
+            padded[i, : len(t)] = torch.tensor(t)
+        self.tables[:n, :width].copy_(padded.to(dev, non_blocking=True))
+        # padded rows: scratch slot, length 1
+        self.slots[n:b].fill_(self.scratch * self.block_size)
+        self.lens[n:b].fill_(1)
+        self.tables[n:b].fill_(self.scratch)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]
