@@ -45,7 +45,8 @@ class ModelRunner:
 
             pack_linears(model)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.use_graphs = cuda_graphs and device.type == "cuda"
+        # the MoE expert loop reads routing counts on the host, which a graph cannot capture
+        self.use_graphs = cuda_graphs and device.type == "cuda" and not arch.is_moe
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.graphs = None
