@@ -306,23 +306,22 @@ class SendSession:
             self._queued += 1
         self.agent._jobs.put(lambda: self._run(layer, runs, final, event))
 
-    def _poll(self) -> None:
+    def _on_channel(self, op: str) -> None:
+        """Run channel.poll() or channel.flush(); a failure becomes this session's typed error."""
         try:
             if self.error is None and self._channel is not None:
-                self._channel.poll()
+                getattr(self._channel, op)()
         except TransferError as e:
             self.error = e
         except Exception as e:
             self.error = TransferError(f"{self.ticket.request_id}: send failed: {e}")
 
+    def _poll(self) -> None:
+        self._on_channel("poll")
+
     def _flush(self) -> None:
         try:
-            if self.error is None and self._channel is not None:
-                self._channel.flush()
-        except TransferError as e:
-            self.error = e
-        except Exception as e:
-            self.error = TransferError(f"{self.ticket.request_id}: send failed: {e}")
+            self._on_channel("flush")
         finally:
             with self._cv:
                 self._done_jobs += 1

@@ -66,6 +66,24 @@ class Piece:
     completion_tokens: int = 0
 
 
+class _TokenClock:
+    """Observes time to first token and inter-token latency as pieces with tokens arrive."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.last: float | None = None
+
+    def tick(self, piece: Piece) -> None:
+        if not piece.token_ids:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            m.TTFT.observe(now - self.t0)
+        else:
+            m.ITL.observe(now - self.last)
+        self.last = now
+
+
 class Gateway:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
@@ -175,15 +193,10 @@ class Gateway:
     async def _unary(self, spec: GenerationSpec, rid: str, endpoint: str) -> Response:
         t0 = self._admit()
         text, lps, finish, usage = [], [], None, (len(spec.prompt_token_ids), 0)
-        last = None
+        clock = _TokenClock(t0)
         try:
             async for p in self.generate(spec, rid):
-                now = time.monotonic()
-                if last is None and p.token_ids:
-                    m.TTFT.observe(now - t0)
-                elif p.token_ids:
-                    m.ITL.observe(now - last)
-                last = now
+                clock.tick(p)
                 text.append(p.text)
                 lps.extend(p.logprobs)
                 finish = p.finish_reason
@@ -215,7 +228,7 @@ class Gateway:
         obj = "chat.completion.chunk" if spec.chat else "text_completion"
         usage = (len(spec.prompt_token_ids), 0)
         status = "200"
-        last = None
+        clock = _TokenClock(t0)
 
         def chunk(choice: dict | None, extra: dict | None = None) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -229,12 +242,7 @@ class Gateway:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
             async for p in self.generate(spec, rid):
-                now = time.monotonic()
-                if last is None and p.token_ids:
-                    m.TTFT.observe(now - t0)
-                elif p.token_ids:
-                    m.ITL.observe(now - last)
-                last = now
+                clock.tick(p)
                 usage = (p.prompt_tokens, p.completion_tokens)
                 if not p.text and p.finish_reason is None:
                     continue

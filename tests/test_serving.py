@@ -188,14 +188,14 @@ def test_client_disconnect_frees_blocks_on_both_workers(disagg):
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
             "max_tokens": 2000, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", disagg.url + "/v1/chat/completions", json=body, timeout=60) as r:
-        seen = 0
+        lines = []
         for line in r.iter_lines():
             if line.startswith("data: "):
-                seen += 1
-            if seen >= 5:
-                break
-        during = disagg.stats("decode")
-        assert during["num_running"] + during["num_waiting"] == 1 and during["kv_blocks_used"] > 0, during
+                lines.append(line)
+            if len(lines) >= 5:
+                during = disagg.stats("decode")  # still reading: the request is decoding
+                break  # leaving the iterator closes the connection: the client is gone
+    assert during["num_running"] + during["num_waiting"] == 1 and during["kv_blocks_used"] > 0, (during, lines)
     for _ in range(100):
         if settled():
             break
