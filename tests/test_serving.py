@@ -141,6 +141,29 @@ def test_32_concurrent_streams_complete_correctly(disagg, bare):
         assert text == bare[i % len(QUESTIONS)]
 
 
+def test_bench_against_the_gateway(disagg, tmp_path):
+    """`splitserve bench` in Poisson and trace-replay modes ends with the contract's JSON line."""
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "splitserve")
+    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+    runs = [["--rate", "0", "--num-requests", "4", "--input-len", "48", "--output-len", "6"]]
+    if trace.is_file():
+        runs.append(["--trace", str(trace), "--num-requests", "3", "--time-scale", "0.01", "--max-input-len", "96",
+                     "--max-output-len", "6"])
+    for extra in runs:
+        res = subprocess.run([exe, "bench", "--url", disagg.url, "--model", "smollm2", "--json", "--no-progress", *extra],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-1000:]
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        for key in ("requests", "completed", "failed", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+                    "output_tok_s", "goodput_rps"):
+            assert key in out, key
+        assert out["completed"] == out["requests"] and out["failed"] == 0
+        assert out["output_tok_s"] > 0 and out["ttft_p50_s"] > 0
+
+
 BAD = [
     ("invalid json", b"{not json", 400, None),
     ("wrong type", {"model": "smollm2", "messages": "hi"}, 400, "messages"),
