@@ -44,3 +44,32 @@ def test_paged_decode_matches_reference(group, dtype, head_dim):
     ref = reference(q, k_cache, v_cache, tables, lens, scale)
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rms_norm_matches_torch(dtype):
+    from splitserve.engine.kernels.triton_norm_rope import rms_norm
+
+    x = torch.randn(37, 4096, device="cuda").to(dtype)
+    w = (1 + 0.1 * torch.randn(4096, device="cuda")).to(dtype)
+    ref = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out = rms_norm(x, w, 1e-5)
+    assert (out.float() - ref.float()).norm() / ref.float().norm() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rotary_in_place_on_a_qkv_view(dtype):
+    from splitserve.engine.kernels.triton_norm_rope import rotary_inplace
+    from splitserve.engine.models.layers import RotaryEmbedding, _apply
+
+    rope = RotaryEmbedding(128, 4096, 500000.0, None).to("cuda")
+    rope.build_tables("cuda")
+    positions = torch.randint(0, 4096, (23,), device="cuda")
+    cos, sin = rope.lookup(positions)
+    qkv = torch.randn(23, (32 + 2 * 8) * 128, device="cuda").to(dtype)
+    q = qkv[:, : 32 * 128].view(23, 32, 128)
+    want = _apply(q.clone(), cos, sin)
+    k_before = qkv[:, 32 * 128 :].clone()
+    rotary_inplace(q, cos, sin)
+    assert (q.float() - want.float()).norm() / want.float().norm() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(qkv[:, 32 * 128 :], k_before)  # only q's heads were touched

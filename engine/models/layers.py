@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +20,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and _TRITON:
+            from splitserve.engine.kernels.triton_norm_rope import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -70,6 +77,10 @@ class RotaryEmbedding(nn.Module):
     def apply(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
         # q: [T, H, D], k: [T, Hkv, D]
         cos, sin = cos_sin
+        if q.is_cuda and _TRITON:  # in place, one kernel each (q and k may be views into the qkv output)
+            from splitserve.engine.kernels.triton_norm_rope import rotary_inplace
+
+            return rotary_inplace(q, cos, sin), rotary_inplace(k, cos, sin)
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
 
