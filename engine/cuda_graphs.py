@@ -74,9 +74,7 @@ class DecodeGraphs:
         self.slots[:n].copy_(torch.tensor(slots), non_blocking=True)
         self.lens[:n].copy_(torch.tensor(lens), non_blocking=True)
         width = max(len(t) for t in tables)
-        padded = torch.full((n, width), self.scratch, dtype=torch.long)
-        for i, t in enumerate(tables):
-            padded[i, : len(t)] = torch.tensor(t)
+        padded = torch.tensor([t + [self.scratch] * (width - len(t)) for t in tables], dtype=torch.long)
         self.tables[:n, :width].copy_(padded.to(dev, non_blocking=True))
         # padded rows: scratch slot, length 1
         self.slots[n:b].fill_(self.scratch * self.block_size)

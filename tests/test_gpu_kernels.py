@@ -73,3 +73,13 @@ def test_fused_rotary_in_place_on_a_qkv_view(dtype):
     rotary_inplace(q, cos, sin)
     assert (q.float() - want.float()).norm() / want.float().norm() < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     assert torch.equal(qkv[:, 32 * 128 :], k_before)  # only q's heads were touched
+
+
+def test_fused_silu_mul_matches_torch():
+    from splitserve.engine.kernels.triton_norm_rope import silu_mul
+
+    x = torch.randn(19, 2 * 14336, device="cuda").to(torch.bfloat16)
+    gate, up = x.split(14336, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = silu_mul(x)
+    assert (out.float() - ref.float()).norm() / ref.float().norm() < 1e-2

@@ -103,5 +103,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and _TRITON and gate_up.dim() == 2:
+            from splitserve.engine.kernels.triton_norm_rope import silu_mul
+
+            return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
