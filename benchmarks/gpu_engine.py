@@ -174,10 +174,11 @@ def main() -> None:
                   f"floor {floor * 1e3:6.2f} ms, util {floor / step:.2f}", flush=True)
     if "prefill" not in skip:
         res["prefill"] = []
-        params = wbytes / 2
+        # matmul parameters: everything but the embedding table and the LM head (run for the last token only)
+        params = wbytes / 2 - 2 * LLAMA8B["vocab_size"] * LLAMA8B["hidden_size"]
         for tokens in (2048, 8192):
             rate = prefill_rate(eng, tokens)
-            attn = 4 * 32 * tokens * 4096 / 2  # causal attention FLOPs per token (QK^T and PV), per layer summed
+            attn = 4 * 32 * (tokens / 2) * 4096  # causal QK^T and PV: 2 matmuls x 2 FLOPs x layers x mean context x dim
             flops_per_token = 2 * params + attn
             mfu = rate * flops_per_token / (res["matmul_tflops"] * 1e12)
             res["prefill"].append({"tokens": tokens, "tok_s": rate, "mfu": mfu})
