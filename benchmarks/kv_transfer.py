@@ -25,6 +25,8 @@ CASES = {
     # name: (layers, kv_heads, head_dim, tokens, dtype on cpu, dtype on cuda)
     "smollm2_2k": (30, 3, 64, 2048, torch.float32, torch.bfloat16),
     "llama8b_3k": (32, 8, 128, 3072, torch.bfloat16, torch.bfloat16),
+    # the same bytes as llama8b_3k in one layer: 2 descriptors instead of 64 (isolates per-descriptor cost)
+    "one_layer_403mb": (1, 8, 128, 98304, torch.bfloat16, torch.bfloat16),
 }
 BLOCK = 16
 
@@ -141,7 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["tcp", "nixl"], required=True)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default="smollm2_2k,llama8b_3k")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
