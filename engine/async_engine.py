@@ -34,7 +34,6 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self.error: BaseException | None = None
         self._thread.start()
 
     # -- the engine thread --------------------------------------------------------------------------

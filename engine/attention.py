@@ -6,14 +6,13 @@ bytes are contiguous and a run of consecutive block ids is one contiguous region
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+from splitserve.engine.kernels import HAS_TRITON
 
 
 @dataclass
@@ -56,7 +55,7 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        decode = _triton_decode if q.is_cuda and _HAS_TRITON else _decode_attention
+        decode = _triton_decode if q.is_cuda and HAS_TRITON else _decode_attention
         out[:nd] = decode(q[:nd], k_cache, v_cache, meta, scale)
     for p in meta.prefills:
         sl = slice(p.token_start, p.token_start + p.num_tokens)

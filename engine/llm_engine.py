@@ -11,6 +11,7 @@ import torch
 
 from splitserve.engine.block_pool import KVCacheEvent
 from splitserve.engine.config import EngineConfig, KVCacheSpec, parse_memory
+from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.engine.model_files import resolve_model
 from splitserve.engine.model_runner import DTYPES, KVLayerHook, ModelRunner
 from splitserve.engine.models.loader import load_arch, load_model
@@ -72,7 +73,7 @@ class LLMEngine:
         if setting == "auto":
             # CPU: 512 MiB, or enough for two full-length sequences if that is more
             setting = 0.85 if self.device.type == "cuda" else max(
-                CPU_DEFAULT_KV_BYTES, 2 * per_block * -(-self.max_model_len // self.config.cache.block_size))
+                CPU_DEFAULT_KV_BYTES, 2 * per_block * cdiv(self.max_model_len, self.config.cache.block_size))
         budget = parse_memory(setting)
         if isinstance(budget, float):
             if self.device.type == "cuda":

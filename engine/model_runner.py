@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from splitserve.engine.attention import AttentionMetadata, PrefillSeq
+from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.engine.models.arch import ArchConfig
 from splitserve.engine.models.llama import CausalLM
 from splitserve.engine.sampler import Sampler
@@ -67,7 +68,7 @@ class ModelRunner:
             from splitserve.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size,
-                                       -(-self.max_model_len // self.block_size), self.max_num_seqs, self.device)
+                                       cdiv(self.max_model_len, self.block_size), self.max_num_seqs, self.device)
             self.graphs.capture()
 
     @torch.inference_mode()
@@ -130,7 +131,7 @@ class ModelRunner:
                 dec_tables.append(s.block_ids)
                 dec_lens.append(s.start + 1)
             else:
-                num_blocks = -(-(s.start + n) // bs)
+                num_blocks = cdiv(s.start + n, bs)
                 prefills.append(PrefillSeq(token_start, n, s.start, table[:num_blocks].to(self.device)))
             if s.sample:
                 sample_idx.append(token_start + n - 1)

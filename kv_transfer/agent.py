@@ -206,13 +206,8 @@ class KVTransferAgent:
             self._finished[request_id] = p
             while len(self._finished) > 4096:
                 self._finished.popitem(last=False)
-        backend = self.backend.name
-        metrics.IN_FLIGHT.labels("recv", backend).dec()
-        outcome = "success" if error is None else type(error).__name__.removeprefix("Transfer").lower()
-        metrics.TRANSFERS.labels("recv", backend, outcome).inc()
-        if error is None:
-            metrics.LATENCY.labels("recv", backend).observe(time.monotonic() - p.created)
-        else:
+        metrics.record_end("recv", self.backend.name, error, time.monotonic() - p.created)
+        if error is not None:
             log.warning("kv transfer %s failed: %s", request_id, error)
         for loop, fut in waiters:
             loop.call_soon_threadsafe(self._settle, fut, error)
@@ -302,65 +297,64 @@ class SendSession:
         skip = self.ticket.skip_blocks
         pairs = [(self.src_block_ids[i], self.ticket.block_ids[i]) for i in indices if i >= skip]
         runs = coalesce([s for s, _ in pairs], [d for _, d in pairs])
+        self._enqueue(lambda: self._write(layer, runs, final, event))
+
+    def _enqueue(self, fn) -> None:
+        """Run `fn` on the agent's sender thread; `finish` waits for every enqueued job."""
         with self._cv:
             self._queued += 1
-        self.agent._jobs.put(lambda: self._run(layer, runs, final, event))
 
-    def _on_channel(self, op: str) -> None:
-        """Run channel.poll() or channel.flush(); a failure becomes this session's typed error."""
+        def job() -> None:
+            try:
+                self._guarded(fn)
+            finally:
+                with self._cv:
+                    self._done_jobs += 1
+                    self._cv.notify_all()
+
+        self.agent._jobs.put(job)
+
+    def _guarded(self, fn) -> None:
+        """Call `fn` unless the session already failed or closed; any failure becomes its typed error."""
+        if self.error is not None or self._closed:
+            return
         try:
-            if self.error is None and self._channel is not None:
-                getattr(self._channel, op)()
+            fn()
         except TransferError as e:
             self.error = e
-        except Exception as e:
+        except Exception as e:  # backend failures become typed errors
             self.error = TransferError(f"{self.ticket.request_id}: send failed: {e}")
 
     def _poll(self) -> None:
-        self._on_channel("poll")
-
-    def _flush(self) -> None:
-        try:
-            self._on_channel("flush")
-        finally:
-            with self._cv:
-                self._done_jobs += 1
-                self._cv.notify_all()
+        if self._channel is not None:
+            self._guarded(self._channel.poll)
 
     def send_all(self, indices: range | None = None, event: torch.cuda.Event | None = None) -> None:
         """Queue every layer at once as one transfer (whole-request mode, when the KV is already computed)."""
         self.send_layer(-1, indices, True, event)
 
-    def _run(self, layer: int, runs, final: bool, event) -> None:
-        try:
-            if self.error is None and not self._closed:
-                if event is not None:
-                    event.synchronize()
-                if self._channel is None:
-                    self._channel = self.agent.backend.open_channel(self.ticket)
-                    self.agent._active.add(self)
-                if time.time() > self.ticket.deadline:
-                    raise TransferTimeout(f"{self.ticket.request_id}: deadline passed while sending")
-                if layer < 0:
-                    n = self._channel.write_all(runs)
-                else:
-                    n = self._channel.write_layer(layer, runs, final)
-                self.bytes += n
-                metrics.BYTES.labels("send", self.agent.backend.name).inc(n)
-        except TransferError as e:
-            self.error = e
-        except Exception as e:  # backend failures become typed errors
-            self.error = TransferError(f"{self.ticket.request_id}: send failed: {e}")
-        finally:
-            with self._cv:
-                self._done_jobs += 1
-                self._cv.notify_all()
+    def _write(self, layer: int, runs, final: bool, event) -> None:
+        if event is not None:
+            event.synchronize()
+        if self._channel is None:
+            self._channel = self.agent.backend.open_channel(self.ticket)
+            self.agent._active.add(self)
+        if time.time() > self.ticket.deadline:
+            raise TransferTimeout(f"{self.ticket.request_id}: deadline passed while sending")
+        if layer < 0:
+            n = self._channel.write_all(runs)
+        else:
+            n = self._channel.write_layer(layer, runs, final)
+        self.bytes += n
+        metrics.BYTES.labels("send", self.agent.backend.name).inc(n)
+
+    def _flush(self) -> None:
+        if self._channel is not None:
+            self._channel.flush()
 
     def finish(self, timeout: float | None = None) -> None:
         """Wait until every queued layer was written; raises the first error."""
-        with self._cv:
-            self._queued += 1
-        self.agent._jobs.put(self._flush)
+        self._enqueue(self._flush)
         if timeout is None:
             timeout = max(0.0, self.ticket.deadline - time.time()) + 1.0
         with self._cv:
@@ -385,12 +379,7 @@ class SendSession:
         if self._closed:
             return
         self._closed = True
-        backend = self.agent.backend.name
-        metrics.IN_FLIGHT.labels("send", backend).dec()
-        outcome = "success" if error is None else type(error).__name__.removeprefix("Transfer").lower()
-        metrics.TRANSFERS.labels("send", backend, outcome).inc()
-        if error is None:
-            metrics.LATENCY.labels("send", backend).observe(time.monotonic() - self._started)
+        metrics.record_end("send", self.agent.backend.name, error, time.monotonic() - self._started)
         self.agent._active.discard(self)
         if self._channel is not None:
             self._channel.close()

@@ -11,3 +11,12 @@ LATENCY = Histogram(
     ["direction", "backend"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 IN_FLIGHT = Gauge("splitserve_kv_transfers_in_flight", "KV transfers in flight", ["direction", "backend"])
+
+
+def record_end(direction: str, backend: str, error: Exception | None, seconds: float) -> None:
+    """A transfer left flight: count its outcome (success, timeout, error, cancelled) and its latency."""
+    IN_FLIGHT.labels(direction, backend).dec()
+    outcome = "success" if error is None else type(error).__name__.removeprefix("Transfer").lower()
+    TRANSFERS.labels(direction, backend, outcome).inc()
+    if error is None:
+        LATENCY.labels(direction, backend).observe(seconds)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.kv_transfer.agent import SendSession
 from splitserve.kv_transfer.errors import TransferError
 
@@ -89,7 +90,7 @@ class KVStreamHook:
                     self._fail(stream, e if isinstance(e, TransferError) else TransferError(str(e)))
                     continue
                 end = min(s.start + s.num_new_tokens, stream.num_prompt_tokens)
-                last_block = -(-end // self.block_size)
+                last_block = cdiv(end, self.block_size)
                 final = end == stream.num_prompt_tokens
                 self._step.append((stream, range(stream.next_block, last_block), final))
                 stream.next_block = end // self.block_size

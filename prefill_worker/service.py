@@ -13,6 +13,7 @@ import time
 import grpc
 
 from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.kv_transfer import KVTransferAgent, MalformedTicket, TransferError, TransferTicket
 from splitserve.kv_transfer.stream_hook import KVStreamHook
 from splitserve.metrics import WORKER_REQUESTS
@@ -38,7 +39,7 @@ class PrefillService:
             ticket.check_compatible(self.agent.layout)
             if ticket.request_id != req.request_id:
                 raise ProtocolError("ticket.request_id differs from request_id")
-            need = -(-len(req.prompt_token_ids) // eng.kv_spec.block_size)
+            need = cdiv(len(req.prompt_token_ids), eng.kv_spec.block_size)
             if len(ticket.block_ids) != need:
                 raise ProtocolError(f"ticket has {len(ticket.block_ids)} blocks, the prompt needs {need}")
         except (ProtocolError, MalformedTicket) as e:

@@ -109,10 +109,14 @@ def _worker(role: str, model: str, host: str, port: int, metrics_port: int, kv_t
 
 
 _M = typer.Option(help="smollm2, a Hugging Face model directory, or a .gguf file")
+_ROLE = typer.Option(help="prefill, decode or both (colocated); `splitserve prefill`/`decode` fix it")
 
 
-def _worker_command(role: str, default_port: int):
+def _worker_command(fixed_role: str | None, default_port: int):
+    """One option set for `prefill`, `decode` (role fixed) and `worker` (role chosen with --role)."""
+
     def command(
+        role: Annotated[str, _ROLE] = fixed_role or "both",
         model: Annotated[str, _M] = "smollm2",
         host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="gRPC port")] = default_port,
@@ -131,6 +135,8 @@ def _worker_command(role: str, default_port: int):
         threads: Annotated[int, typer.Option(help="torch threads (0: default)")] = 0,
         served_model_name: Annotated[str | None, typer.Option()] = None,
     ) -> None:
+        if fixed_role is not None and role != fixed_role:
+            fail(f"`splitserve {fixed_role}` always runs the {fixed_role} role; use `splitserve worker --role {role}`")
         _worker(role, model, host, port, metrics_port, kv_transport, kv_cache_memory, block_size, max_num_seqs,
                 max_num_batched_tokens, max_model_len, dtype, device, prefill_peers, disagg_threshold,
                 transfer_timeout, threads, served_model_name)
@@ -142,25 +148,8 @@ app.command("prefill", help="Run a prefill worker (computes prompts, streams the
     _worker_command("prefill", 50061))
 app.command("decode", help="Run a decode worker (KV streamed in from prefill workers; local fallback).")(
     _worker_command("decode", 50051))
-
-
-@app.command("worker")
-def worker(
-    role: Annotated[str, typer.Option(help="prefill, decode or both (colocated)")] = "both",
-    model: Annotated[str, _M] = "smollm2",
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port")] = 50051,
-    metrics_port: Annotated[int, typer.Option()] = 0,
-    kv_transport: Annotated[str, typer.Option()] = "auto",
-    kv_cache_memory: Annotated[str, typer.Option()] = "auto",
-    prefill_peers: Annotated[str | None, typer.Option()] = None,
-    threads: Annotated[int, typer.Option()] = 0,
-    dtype: Annotated[str, typer.Option()] = "auto",
-    device: Annotated[str, typer.Option()] = "auto",
-) -> None:
-    """Run a worker of any role (`--role both` is the colocated baseline)."""
-    _worker(role, model, host, port, metrics_port, kv_transport, kv_cache_memory, 16, 128, 2048, None, dtype,
-            device, prefill_peers, 512, 30.0, threads, None)
+app.command("worker", help="Run a worker of any role (`--role both` is the colocated baseline).")(
+    _worker_command(None, 50051))
 
 
 @app.command("router")

@@ -93,9 +93,7 @@ class Launcher:
             decode_eps.append(ep)
             self.components["decode"].append({"grpc": ep, "metrics": f"http://{cfg.host}:{mport}"})
             if colocated:
-                args = ["worker", "--role", "both", "--port", str(port), "--metrics-port", str(mport),
-                        "--model", cfg.model, "--host", cfg.host, "--kv-cache-memory", cfg.kv_cache_memory,
-                        "--threads", str(threads)]
+                args = ["worker", "--role", "both", "--port", str(port), "--metrics-port", str(mport), *common]
             else:
                 args = ["decode", "--port", str(port), "--metrics-port", str(mport), "--kv-transport", cfg.kv_transport,
                         "--prefill-peers", ",".join(prefill_eps), "--disagg-threshold", str(cfg.disagg_threshold),

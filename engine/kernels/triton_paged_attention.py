@@ -100,21 +100,18 @@ def _paged_decode_merge(
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] (int32/int64);
     seq_lens: [B] (tokens including the new one). Returns [B, H, D] in q's dtype.
 
-    `max_seq_len` bounds the partition count (pass it to stay free of host syncs, e.g. under CUDA graphs).
+    The partition count follows the block table's width, so no host sync is needed (CUDA-graph safe).
     """
     b, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     group = h // hkv
     group_pad = max(16, triton.next_power_of_2(group))
-    if max_seq_len is None:
-        max_seq_len = block_tables.shape[1] * bs
     part_tokens = PARTITION_BLOCKS * bs
-    max_parts = max(1, triton.cdiv(max_seq_len, part_tokens))
+    max_parts = max(1, triton.cdiv(block_tables.shape[1] * bs, part_tokens))
     m = torch.empty((b, hkv, max_parts, group_pad), dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     acc = torch.empty((b, hkv, max_parts, group_pad, d), dtype=torch.float32, device=q.device)

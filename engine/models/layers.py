@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any
 
@@ -10,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_TRITON = importlib.util.find_spec("triton") is not None
+from splitserve.engine.kernels import HAS_TRITON
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +19,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and _TRITON:
+        if x.is_cuda and HAS_TRITON:
             from splitserve.engine.kernels.triton_norm_rope import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
@@ -77,7 +76,7 @@ class RotaryEmbedding(nn.Module):
     def apply(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
         # q: [T, H, D], k: [T, Hkv, D]
         cos, sin = cos_sin
-        if q.is_cuda and _TRITON:  # in place, one kernel each (q and k may be views into the qkv output)
+        if q.is_cuda and HAS_TRITON:  # in place, one kernel each (q and k may be views into the qkv output)
             from splitserve.engine.kernels.triton_norm_rope import rotary_inplace
 
             return rotary_inplace(q, cos, sin), rotary_inplace(k, cos, sin)
@@ -103,7 +102,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda and _TRITON and gate_up.dim() == 2:
+        if gate_up.is_cuda and HAS_TRITON and gate_up.dim() == 2:
             from splitserve.engine.kernels.triton_norm_rope import silu_mul
 
             return self.down_proj(silu_mul(gate_up))
