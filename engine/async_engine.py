@@ -163,6 +163,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

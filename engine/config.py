@@ -5,8 +5,9 @@ Values measured at run time (the number of KV blocks) live in `KVCacheSpec`, apa
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
@@ -88,11 +89,31 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # processes (one per GPU) sharing each layer
+    expert_parallel: bool = False  # MoE: spread whole experts over the ranks instead of splitting each one
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        d = json.loads(text)
+        return cls(ModelConfig(**d["model"]), CacheConfig(**d["cache"]), SchedulerConfig(**d["scheduler"]),
+                   ParallelConfig(**d["parallel"]), int(d["seed"]))
 
 
 @dataclass(frozen=True)

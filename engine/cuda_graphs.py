@@ -12,6 +12,7 @@ import torch
 
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.models.llama import CausalLM
+from splitserve.engine.step_batch import StepBatch
 
 log = logging.getLogger("splitserve.engine.cuda_graphs")
 
@@ -27,11 +28,12 @@ class DecodeGraphs:
         self.scratch = scratch_block
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=device)
+        # static inputs: one buffer holding ids, positions, slots and lengths, each [n]
+        self.header = torch.zeros(4 * n, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slots, self.lens = self.header.view(4, n).unbind(0)
+        self.slots.fill_(scratch_block * block_size)
+        self.lens.fill_(1)
         self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=device)
-        self.lens = torch.ones(n, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -63,23 +65,21 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int]) -> torch.Tensor:
-        """Logits [n, vocab] for n single-token decodes."""
-        n = len(input_ids)
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Logits [n, vocab] for a batch of n single-token decodes."""
+        n = batch.num_decodes
         b = next(x for x in self.buckets if x >= n)
-        dev = self.input_ids.device
-        self.input_ids[:n].copy_(torch.tensor(input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
-        self.slots[:n].copy_(torch.tensor(slots), non_blocking=True)
-        self.lens[:n].copy_(torch.tensor(lens), non_blocking=True)
+        pad = b - n
+        # ids, positions, slots and lengths of the bucket's rows in one copy; padded rows write to the
+        # scratch slot and attend over one token (their block-table rows may be stale: they are never used)
+        header = torch.tensor([*batch.input_ids, *([0] * pad), *batch.positions, *([0] * pad),
+                               *batch.slot_mapping, *([self.scratch * self.block_size] * pad),
+                               *batch.decode_seq_lens, *([1] * pad)], dtype=torch.long)
+        self.header.view(4, -1)[:, :b].copy_(header.view(4, b), non_blocking=True)
+        tables = batch.decode_block_tables
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [self.scratch] * (width - len(t)) for t in tables], dtype=torch.long)
-        self.tables[:n, :width].copy_(padded.to(dev, non_blocking=True))
-        # padded rows: scratch slot, length 1
-        self.slots[n:b].fill_(self.scratch * self.block_size)
-        self.lens[n:b].fill_(1)
-        self.tables[n:b].fill_(self.scratch)
+        self.tables[:n, :width].copy_(padded, non_blocking=True)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]

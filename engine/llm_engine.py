@@ -6,6 +6,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -16,6 +17,8 @@ from splitserve.engine.model_files import resolve_model
 from splitserve.engine.model_runner import DTYPES, KVLayerHook, ModelRunner
 from splitserve.engine.models.loader import load_arch, load_model
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.parallel import ParallelContext, check_shardable
+from splitserve.engine.parallel_worker import rank_device, start_followers, stop_followers
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SampledToken, Scheduler
@@ -33,55 +36,96 @@ class _Tracked:
     sent_tokens: int = 0
 
 
+def build_runner(config: EngineConfig, device: torch.device,
+                 parallel: ParallelContext | None = None) -> tuple[ModelRunner, int, Path]:
+    """Load the model (this rank's shard under tensor parallelism) and size and allocate its KV cache.
+
+    Returns the runner, the number of KV blocks (the minimum over all ranks) and the model directory.
+    """
+    mc = config.model
+    model_dir = resolve_model(mc.model, need_weights=mc.load_format != "dummy")
+    dtype_name = mc.dtype if mc.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = DTYPES[dtype_name]
+    arch = load_arch(model_dir)
+    max_model_len = mc.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's {arch.max_position_embeddings} positions")
+    model = load_model(model_dir, device, dtype, max_model_len, dummy=mc.load_format == "dummy", parallel=parallel)
+    runner = ModelRunner(model, arch, device, dtype, config.cache.block_size, config.seed,
+                         cuda_graphs=not mc.enforce_eager, max_model_len=max_model_len,
+                         max_num_seqs=config.scheduler.max_num_seqs, parallel=parallel)
+    num_blocks = _num_kv_blocks(config, runner, device, max_model_len)
+    if parallel is not None and parallel.world_size > 1:
+        num_blocks = parallel.agree_min(num_blocks)
+    runner.init_kv_cache(num_blocks)
+    return runner, num_blocks, model_dir
+
+
+def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, device: torch.device, max_model_len: int) -> int:
+    per_block = runner.bytes_per_block()
+    setting = config.cache.kv_cache_memory
+    if setting == "auto":
+        # CPU: 512 MiB, or enough for two full-length sequences if that is more
+        setting = 0.85 if device.type == "cuda" else max(
+            CPU_DEFAULT_KV_BYTES, 2 * per_block * cdiv(max_model_len, config.cache.block_size))
+    budget = parse_memory(setting)
+    if isinstance(budget, float):
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = int(free * budget)
+    return max(1, budget // per_block)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, on_kv_event: Callable[[KVCacheEvent], None] | None = None) -> None:
         self.config = config
         mc = config.model
-        self.model_dir = resolve_model(mc.model, need_weights=mc.load_format != "dummy")
         self.model_name = mc.served_model_name or mc.model
-        self.device = torch.device(mc.device if mc.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype_name = mc.dtype if mc.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
-        self.dtype = DTYPES[dtype_name]
-        self.arch = load_arch(self.model_dir)
-        self.max_model_len = mc.max_model_len or self.arch.max_position_embeddings
-        if self.max_model_len > self.arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} exceeds the model's {self.arch.max_position_embeddings} positions"
-            )
-        self.tokenizer = Tokenizer.maybe(self.model_dir)
-        model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len, dummy=mc.load_format == "dummy")
+        self.device = rank_device(config, 0)
+        self.parallel: ParallelContext | None = None
+        self._followers: list = []
+        if config.parallel.tensor_parallel_size > 1:
+            arch = load_arch(resolve_model(mc.model, need_weights=mc.load_format != "dummy"))
+            check_shardable(arch, config.parallel.tensor_parallel_size, config.parallel.expert_parallel)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            # the followers load their shards while this process loads its own
+            self.parallel, self._followers = start_followers(config, self.device)
+        self.runner, num_blocks, self.model_dir = build_runner(config, self.device, self.parallel)
+        self.arch, self.dtype = self.runner.arch, self.runner.dtype
+        self.max_model_len = self.runner.max_model_len
         block_size = config.cache.block_size
-        self.runner = ModelRunner(model, self.arch, self.device, self.dtype, block_size, config.seed,
-                                  cuda_graphs=not mc.enforce_eager, max_model_len=self.max_model_len,
-                                  max_num_seqs=config.scheduler.max_num_seqs)
-        num_blocks = self._num_kv_blocks()
-        self.runner.init_kv_cache(num_blocks)
-        self.kv_spec = KVCacheSpec(num_blocks, block_size, self.arch.num_layers, self.arch.num_kv_heads,
+        self.tokenizer = Tokenizer.maybe(self.model_dir)
+        dtype_name = next(k for k, v in DTYPES.items() if v == self.dtype)
+        self.kv_spec = KVCacheSpec(num_blocks, block_size, self.arch.num_layers, self.runner.num_kv_heads,
                                    self.arch.head_dim, dtype_name, str(self.device))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
                                    salt=self.model_name, on_kv_event=on_kv_event)
         eos = set(self.arch.eos_token_ids) | (set(self.tokenizer.eos_token_ids) if self.tokenizer else set())
         self.eos_token_ids = frozenset(eos)
-        self.kv_hook: KVLayerHook | None = None
+        self._kv_hook: KVLayerHook | None = None
         self._tracked: dict[str, _Tracked] = {}
-        log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
-                 self.model_name, self.device, dtype_name, num_blocks, block_size, self.max_model_len)
+        log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d tp=%d",
+                 self.model_name, self.device, dtype_name, num_blocks, block_size, self.max_model_len,
+                 config.parallel.tensor_parallel_size)
 
-    def _num_kv_blocks(self) -> int:
-        per_block = self.runner.bytes_per_block()
-        setting = self.config.cache.kv_cache_memory
-        if setting == "auto":
-            # CPU: 512 MiB, or enough for two full-length sequences if that is more
-            setting = 0.85 if self.device.type == "cuda" else max(
-                CPU_DEFAULT_KV_BYTES, 2 * per_block * cdiv(self.max_model_len, self.config.cache.block_size))
-        budget = parse_memory(setting)
-        if isinstance(budget, float):
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-            else:
-                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = int(free * budget)
-        return max(1, budget // per_block)
+    @property
+    def kv_hook(self) -> KVLayerHook | None:
+        return self._kv_hook
+
+    @kv_hook.setter
+    def kv_hook(self, hook: KVLayerHook | None) -> None:
+        if hook is not None and self.parallel is not None:
+            raise ValueError("streaming KV to another worker is not supported with tensor_parallel_size > 1")
+        self._kv_hook = hook
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device)."""
+        if self.parallel is not None:
+            stop_followers(self.parallel, self._followers)
+            self.parallel = None
 
     # -- requests -----------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,

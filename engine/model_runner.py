@@ -10,8 +10,10 @@ from splitserve.engine.attention import AttentionMetadata, PrefillSeq
 from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.engine.models.arch import ArchConfig
 from splitserve.engine.models.llama import CausalLM
+from splitserve.engine.parallel import ParallelContext
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
+from splitserve.engine.step_batch import PrefillChunk, StepBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,8 +36,10 @@ class KVLayerHook(Protocol):
 class ModelRunner:
     def __init__(self, model: CausalLM, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
                  block_size: int, seed: int = 0, cuda_graphs: bool = True, max_model_len: int = 4096,
-                 max_num_seqs: int = 128) -> None:
+                 max_num_seqs: int = 128, parallel: ParallelContext | None = None) -> None:
         self.model = model
+        self.parallel = parallel if parallel is not None and parallel.world_size > 1 else None
+        self.num_kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism
         self.arch = arch
         self.device = device
         self.dtype = dtype
@@ -46,19 +50,18 @@ class ModelRunner:
 
             pack_linears(model)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # the MoE expert loop reads routing counts on the host, which a graph cannot capture
-        self.use_graphs = cuda_graphs and device.type == "cuda" and not arch.is_moe
+        self.use_graphs = cuda_graphs and device.type == "cuda"
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.graphs = None
 
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.arch.num_layers * self.block_size * self.arch.num_kv_heads * self.arch.head_dim * itemsize
+        return 2 * self.arch.num_layers * self.block_size * self.num_kv_heads * self.arch.head_dim * itemsize
 
     def init_kv_cache(self, num_blocks: int) -> None:
         # on CUDA one extra scratch block takes the (ignored) writes of padded CUDA-graph rows
-        shape = (num_blocks + int(self.use_graphs), self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (num_blocks + int(self.use_graphs), self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -73,76 +76,69 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, hook: KVLayerHook | None = None) -> dict[str, SampledToken]:
-        if self.graphs is not None and hook is None and len(sched.scheduled) <= self.graphs.max_batch \
-                and all(s.num_new_tokens == 1 for s in sched.scheduled):
-            return self._execute_graph(sched)
-        # Decodes (one new token) first, so their attention runs as one batched gather.
+        # Decodes (one new token) first, so their attention runs as one batched kernel.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        meta, input_ids, positions, sample_idx = self._prepare(order)
+        batch = self.build(order, graphs_ok=hook is None)
+        if self.parallel is not None:
+            from splitserve.engine.parallel_worker import send_step
+
+            send_step(self.parallel, batch)
         if hook is not None:
             hook.on_step_begin(order)
-            meta.on_layer_written = hook.on_layer_written
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.forward(batch, hook.on_layer_written if hook is not None else None)
         if hook is not None:
             hook.on_step_end(order)
         sampling = [s.request for s in order if s.sample]
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[sample_idx])
         tokens = self.sampler.sample(logits, sampling)
         return {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
 
-    def _execute_graph(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+    def build(self, order: list[ScheduledRequest], graphs_ok: bool = True) -> StepBatch:
         bs = self.block_size
-        items = sched.scheduled
-        logits = self.graphs.run(
-            [s.request.token_slice(s.start, s.start + 1)[0] for s in items],
-            [s.start for s in items],
-            [s.block_ids[s.start // bs] * bs + s.start % bs for s in items],
-            [s.block_ids for s in items],
-            [s.start + 1 for s in items],
-        )
-        rows = [i for i, s in enumerate(items) if s.sample]
-        if not rows:
-            return {}
-        sampling = [items[i].request for i in rows]
-        tokens = self.sampler.sample(logits[rows].float(), sampling)
-        return {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
-
-    def _prepare(self, order: list[ScheduledRequest]):
-        bs = self.block_size
-        ids: list[int] = []
-        pos_chunks: list[torch.Tensor] = []
-        slot_chunks: list[torch.Tensor] = []
-        sample_idx: list[int] = []
-        prefills: list[PrefillSeq] = []
-        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
+        batch = StepBatch([], [], [])
         for s in order:
-            n = s.num_new_tokens
-            ids.extend(s.request.token_slice(s.start, s.start + n))
-            pos = torch.arange(s.start, s.start + n)
-            table = torch.tensor(s.block_ids, dtype=torch.long)
-            pos_chunks.append(pos)
-            slot_chunks.append(table[pos // bs] * bs + pos % bs)
-            token_start = len(ids) - n
+            n, start = s.num_new_tokens, s.start
+            token_start = len(batch.input_ids)
+            batch.input_ids += s.request.token_slice(start, start + n)
+            table = s.block_ids
             if n == 1:
-                dec_tables.append(s.block_ids)
-                dec_lens.append(s.start + 1)
+                batch.positions.append(start)
+                batch.slot_mapping.append(table[start // bs] * bs + start % bs)
+                batch.decode_block_tables.append(table[:start // bs + 1])
+                batch.decode_seq_lens.append(start + 1)
             else:
-                num_blocks = cdiv(s.start + n, bs)
-                prefills.append(PrefillSeq(token_start, n, s.start, table[:num_blocks].to(self.device)))
+                batch.positions += range(start, start + n)
+                batch.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+                batch.prefills.append(PrefillChunk(token_start, n, start, table[:cdiv(start + n, bs)]))
             if s.sample:
-                sample_idx.append(token_start + n - 1)
+                batch.sample_idx.append(token_start + n - 1)
+        batch.use_graph = (graphs_ok and self.graphs is not None and not batch.prefills
+                           and batch.num_decodes <= self.graphs.max_batch)
+        return batch
+
+    def forward(self, batch: StepBatch, on_layer_written=None) -> torch.Tensor | None:
+        """Run one step; logits [num_samples, vocab] float32 (None when nothing is sampled)."""
+        if batch.use_graph:
+            logits = self.graphs.run(batch)
+            return logits[batch.sample_idx].float() if batch.sample_idx else None
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(dev), block_size=bs,
-                                 num_decodes=num_decodes, prefills=prefills)
-        if num_decodes:
-            width = max(len(t) for t in dec_tables)
-            padded = [t + [0] * (width - len(t)) for t in dec_tables]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long).to(dev),
+                                 block_size=self.block_size, num_decodes=batch.num_decodes,
+                                 prefills=[PrefillSeq(p.token_start, p.num_tokens, p.context_start,
+                                                      torch.tensor(p.block_ids, dtype=torch.long).to(dev))
+                                           for p in batch.prefills],
+                                 on_layer_written=on_layer_written)
+        if batch.num_decodes:
+            tables = batch.decode_block_tables
+            width = max(len(t) for t in tables)
+            padded = [t + [0] * (width - len(t)) for t in tables]
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.long).to(dev)
-            meta.decode_seq_lens = torch.tensor(dec_lens, dtype=torch.long).to(dev)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev)
-        positions = torch.cat(pos_chunks).to(dev)
-        return meta, input_ids, positions, torch.tensor(sample_idx, dtype=torch.long).to(dev)
+            meta.decode_seq_lens = torch.tensor(batch.decode_seq_lens, dtype=torch.long).to(dev)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev)
+        positions = torch.tensor(batch.positions, dtype=torch.long).to(dev)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not batch.sample_idx:
+            return None
+        sample_idx = torch.tensor(batch.sample_idx, dtype=torch.long).to(dev)
+        return self.model.compute_logits(hidden[sample_idx])

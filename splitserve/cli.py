@@ -49,11 +49,14 @@ def generate(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
     kv_cache_memory: Annotated[str, typer.Option(help="bytes (e.g. 512MiB) or a fraction of free memory")] = "auto",
     block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
+    tensor_parallel_size: Annotated[int, typer.Option(help="GPUs sharing each layer, one process each")] = 1,
+    expert_parallel: Annotated[bool, typer.Option(help="MoE: spread experts over the tensor-parallel GPUs")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object with token_ids and text")] = False,
 ) -> None:
     """Run the engine offline on one prompt."""
     setup_logging("warning" if as_json else None)
     from splitserve.engine import CacheConfig, EngineConfig, ModelConfig, SamplingParams
+    from splitserve.engine.config import ParallelConfig
     from splitserve.engine.llm_engine import LLMEngine
     from splitserve.engine.model_files import ModelNotFoundError
 
@@ -61,14 +64,18 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=list(stop or []), ignore_eos=ignore_eos)
         config = EngineConfig(model=ModelConfig(model, dtype=dtype, device=device),
-                              cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory))
+                              cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+                              parallel=ParallelConfig(tensor_parallel_size, expert_parallel))
         engine = LLMEngine(config)
-        if engine.tokenizer is None:
-            fail(f"{model} has no tokenizer files; generate needs text input")
-        tok = engine.tokenizer
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-        result = engine.generate([ids], params)[0]
-    except (ModelNotFoundError, ValueError, FileNotFoundError, KeyError) as e:
+        try:
+            if engine.tokenizer is None:
+                fail(f"{model} has no tokenizer files; generate needs text input")
+            tok = engine.tokenizer
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+            result = engine.generate([ids], params)[0]
+        finally:
+            engine.close()
+    except (ModelNotFoundError, ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
         fail(str(e).strip("'\""))
     if as_json:
         sys.stdout.write(json.dumps({
@@ -85,10 +92,8 @@ def _split(value: str | None) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
-def _worker(role: str, model: str, host: str, port: int, metrics_port: int, kv_transport: str,
-            kv_cache_memory: str, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-            max_model_len: int | None, dtype: str, device: str, prefill_peers: str | None,
-            disagg_threshold: int, transfer_timeout: float, threads: int, served_model_name: str | None) -> None:
+def _worker(**opts) -> None:
+    """Run a worker; `opts` are WorkerConfig's fields (prefill_peers as one comma list)."""
     import asyncio
 
     from splitserve.engine.model_files import ModelNotFoundError, resolve_model
@@ -96,13 +101,8 @@ def _worker(role: str, model: str, host: str, port: int, metrics_port: int, kv_t
 
     setup_logging()
     try:
-        resolve_model(model)
-        cfg = WorkerConfig(role=role, model=model, served_model_name=served_model_name, host=host, port=port,
-                           metrics_port=metrics_port, kv_transport=kv_transport, kv_cache_memory=kv_cache_memory,
-                           block_size=block_size, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dtype=dtype,
-                           device=device, prefill_peers=_split(prefill_peers), disagg_threshold=disagg_threshold,
-                           transfer_timeout=transfer_timeout, threads=threads)
+        resolve_model(opts["model"])
+        cfg = WorkerConfig(**{**opts, "prefill_peers": _split(opts["prefill_peers"])})
     except (ModelNotFoundError, ValueError) as e:
         fail(str(e))
     asyncio.run(serve(cfg))
@@ -134,12 +134,17 @@ def _worker_command(fixed_role: str | None, default_port: int):
         transfer_timeout: Annotated[float, typer.Option(help="seconds a KV transfer may take")] = 30.0,
         threads: Annotated[int, typer.Option(help="torch threads (0: default)")] = 0,
         served_model_name: Annotated[str | None, typer.Option()] = None,
+        tensor_parallel_size: Annotated[int, typer.Option(help="GPUs sharing each layer, one process each")] = 1,
+        expert_parallel: Annotated[bool, typer.Option(help="MoE: spread experts over the tensor-parallel GPUs")] = False,
     ) -> None:
         if fixed_role is not None and role != fixed_role:
             fail(f"`splitserve {fixed_role}` always runs the {fixed_role} role; use `splitserve worker --role {role}`")
-        _worker(role, model, host, port, metrics_port, kv_transport, kv_cache_memory, block_size, max_num_seqs,
-                max_num_batched_tokens, max_model_len, dtype, device, prefill_peers, disagg_threshold,
-                transfer_timeout, threads, served_model_name)
+        _worker(role=role, model=model, host=host, port=port, metrics_port=metrics_port, kv_transport=kv_transport,
+                kv_cache_memory=kv_cache_memory, block_size=block_size, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dtype=dtype,
+                device=device, prefill_peers=prefill_peers, disagg_threshold=disagg_threshold,
+                transfer_timeout=transfer_timeout, threads=threads, served_model_name=served_model_name,
+                tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel)
 
     return command
 

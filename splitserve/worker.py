@@ -48,6 +48,8 @@ class WorkerConfig:
     disagg_threshold: int = 512
     transfer_timeout: float = 30.0
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    tensor_parallel_size: int = 1  # GPUs (one process each) sharing the model
+    expert_parallel: bool = False  # MoE: spread experts over those GPUs
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
@@ -60,6 +62,11 @@ class WorkerConfig:
             raise ValueError("disagg_threshold must be >= 1")
         if self.transfer_timeout <= 0:
             raise ValueError("transfer_timeout must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.role != "both":
+            raise ValueError("tensor_parallel_size > 1 runs with --role both only: streaming KV between "
+                             "tensor-parallel prefill and decode workers is not supported yet")
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -125,6 +132,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         import torch
 
         from splitserve.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+        from splitserve.engine.config import ParallelConfig
         from splitserve.engine.llm_engine import LLMEngine
 
         cfg = self.cfg
@@ -135,6 +143,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                               served_model_name=cfg.served_model_name),
             cache=CacheConfig(block_size=cfg.block_size, kv_cache_memory=cfg.kv_cache_memory),
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens),
+            parallel=ParallelConfig(cfg.tensor_parallel_size, cfg.expert_parallel),
         ))
         agent = None
         if cfg.role in ("prefill", "decode"):

@@ -36,6 +36,8 @@ def pack_linears(model: nn.Module) -> int:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" \
                     and child.weight.dtype == torch.float32:
-                setattr(module, name, PackedLinear(child))
+                packed = PackedLinear(child)
+                packed._forward_hooks.update(child._forward_hooks)  # e.g. tensor parallelism's all-reduce
+                setattr(module, name, packed)
                 count += 1
     return count

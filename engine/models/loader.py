@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from splitserve.engine.models.arch import ArchConfig
 from splitserve.engine.models.llama import CausalLM
+from splitserve.engine.parallel import ParallelContext, load_into, shard_model
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -22,11 +23,16 @@ def load_arch(model_dir: str | Path) -> ArchConfig:
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_position: int,
-               dummy: bool = False) -> CausalLM:
-    """`dummy`: random weights (N(0, 0.02), norms at 1) instead of the checkpoint, for benchmarks."""
+               dummy: bool = False, parallel: ParallelContext | None = None) -> CausalLM:
+    """`dummy`: random weights (N(0, 0.02), norms at 1) instead of the checkpoint, for benchmarks.
+
+    With `parallel`, only this rank's shard is built and loaded (see splitserve.engine.parallel).
+    """
     arch = load_arch(model_dir)
     with torch.device("meta"):
         model = CausalLM(arch, max_position)
+    if parallel is not None:
+        shard_model(model, parallel)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.rotary.build_tables(device)  # float32 tables, computed on the device
@@ -49,6 +55,7 @@ def _load_weights(model: CausalLM, arch: ArchConfig, model_dir: Path, device: to
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     params = dict(model.named_parameters())
+    shards = getattr(model, "param_shards", {})
     loaded: set[str] = set()
     dev = str(device)
     for path in files:
@@ -60,7 +67,7 @@ def _load_weights(model: CausalLM, arch: ArchConfig, model_dir: Path, device: to
                         raise KeyError(f"{path.name}: weight {name} maps to unknown parameter {target}")
                     param = params[target]
                     with torch.no_grad():
-                        (param if index is None else param[index]).copy_(tensor.to(dtype))
+                        load_into(param, index, tensor.to(dtype), shards.get(target))
                     loaded.add(target)
     _check_complete(model, loaded)
 

@@ -1,0 +1,155 @@
+"""The tensor-parallel ranks other than 0: one process per GPU that loads its shard of the model and runs the
+steps rank 0 broadcasts. Rank 0 is the engine itself (it schedules and samples); every rank runs the same
+forward pass, and the collectives inside it keep them in lockstep.
+
+Rank 0 starts its followers with `start_followers`; they die with it (PR_SET_PDEATHSIG) and stop when told.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.parallel import ParallelContext, init_parallel
+from splitserve.engine.step_batch import StepBatch
+
+log = logging.getLogger("splitserve.engine.parallel_worker")
+
+_STOP, _STEP = 0, 1
+_MAX_WIRE = 1 << 26  # int64s in one step message
+
+
+def send_step(ctx: ParallelContext, batch: StepBatch) -> None:
+    wire = batch.encode()
+    dist.broadcast(torch.tensor([_STEP, wire.numel()], dtype=torch.long), src=0, group=ctx.control)
+    dist.broadcast(wire, src=0, group=ctx.control)
+
+
+def send_stop(ctx: ParallelContext) -> None:
+    dist.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), src=0, group=ctx.control)
+
+
+def receive_step(ctx: ParallelContext, num_blocks: int) -> StepBatch | None:
+    """The next step from rank 0, or None when told to stop."""
+    head = torch.empty(2, dtype=torch.long)
+    dist.broadcast(head, src=0, group=ctx.control)
+    kind, n = head.tolist()
+    if kind == _STOP:
+        return None
+    if kind != _STEP or not 0 < n <= _MAX_WIRE:
+        raise ValueError(f"bad step message header {kind}, {n}")
+    wire = torch.empty(n, dtype=torch.long)
+    dist.broadcast(wire, src=0, group=ctx.control)
+    return StepBatch.decode(wire, num_blocks)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    want = config.model.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda"):
+        world = config.parallel.tensor_parallel_size
+        if world > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, "
+                             f"{torch.cuda.device_count()} are visible")
+        return torch.device("cuda", rank if world > 1 else (torch.device(want).index or 0))
+    return torch.device(want)
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_followers(config: EngineConfig, device: torch.device) -> tuple[ParallelContext, list[subprocess.Popen]]:
+    """Start ranks 1..N-1 and join them as rank 0; fails with the rank's exit code if one dies first."""
+    from splitserve.launcher import free_port
+
+    world = config.parallel.tensor_parallel_size
+    init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "splitserve.engine.parallel_worker", "--rank", str(r),
+                          "--world-size", str(world), "--init-method", init_method, "--config", config.to_json()],
+                         stdin=subprocess.DEVNULL,
+                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        for r in range(1, world)
+    ]
+    joined: dict[str, object] = {}
+
+    def join() -> None:
+        try:
+            joined["ctx"] = init_parallel(0, world, init_method, device, config.parallel.expert_parallel)
+        except Exception as e:  # surfaced below
+            joined["error"] = e
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        for r, p in enumerate(procs, start=1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {r} exited with code {p.returncode} before joining")
+        thread.join(0.2)
+    if "error" in joined:
+        raise RuntimeError(f"tensor-parallel group did not form: {joined['error']}")
+    return joined["ctx"], procs
+
+
+def stop_followers(ctx: ParallelContext, procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    try:
+        send_stop(ctx)
+    except Exception as e:  # a follower already gone: make sure the rest go too
+        log.warning("could not tell followers to stop: %s", e)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    ctx.close()
+
+
+def follower_main(rank: int, world: int, init_method: str, config: EngineConfig) -> None:
+    from splitserve.engine.llm_engine import build_runner
+
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = init_parallel(rank, world, init_method, device, config.parallel.expert_parallel)
+    runner, num_blocks, _ = build_runner(config, device, ctx)
+    log.info("rank %d ready: %d kv blocks", rank, num_blocks)
+    with torch.inference_mode():
+        while (batch := receive_step(ctx, num_blocks)) is not None:
+            runner.forward(batch)
+    ctx.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from splitserve.logs import setup_logging
+
+    ap = argparse.ArgumentParser(prog="splitserve.engine.parallel_worker",
+                                 description="a tensor-parallel rank (started by rank 0, not by hand)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--config", required=True, help="EngineConfig as JSON")
+    args = ap.parse_args(argv)
+    setup_logging()
+    try:
+        follower_main(args.rank, args.world_size, args.init_method, EngineConfig.from_json(args.config))
+    except Exception as e:
+        log.error("rank %d failed: %s", args.rank, e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

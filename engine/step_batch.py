@@ -1,0 +1,95 @@
+"""One forward pass as plain integers: built by the model runner from the scheduler's output, and what rank 0
+sends every other tensor-parallel rank so all of them run the same step.
+
+The wire form is one int64 tensor (no pickle): a fixed header, then the lists back to back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+WIRE_VERSION = 1
+_HEADER = 8  # version, use_graph, num_tokens, num_decodes, num_prefills, num_samples, table_width, payload length
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int  # index of the chunk's first token in the packed batch
+    num_tokens: int
+    context_start: int  # tokens of this sequence already in the cache
+    block_ids: list[int]  # blocks covering context_start + num_tokens
+
+
+@dataclass
+class StepBatch:
+    """Decodes (one token each) come first, then prefill chunks."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    decode_block_tables: list[list[int]] = field(default_factory=list)  # one per decode, trimmed to its length
+    decode_seq_lens: list[int] = field(default_factory=list)  # including the new token
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    sample_idx: list[int] = field(default_factory=list)  # rows whose logits are sampled
+    use_graph: bool = False
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_seq_lens)
+
+    def encode(self) -> torch.Tensor:
+        width = max((len(t) for t in self.decode_block_tables), default=0)
+        flat: list[int] = [WIRE_VERSION, int(self.use_graph), len(self.input_ids), self.num_decodes,
+                           len(self.prefills), len(self.sample_idx), width, 0]
+        flat += self.input_ids
+        flat += self.positions
+        flat += self.slot_mapping
+        for t in self.decode_block_tables:
+            flat += t
+            flat += [-1] * (width - len(t))
+        flat += self.decode_seq_lens
+        for p in self.prefills:
+            flat += (p.token_start, p.num_tokens, p.context_start, len(p.block_ids))
+            flat += p.block_ids
+        flat += self.sample_idx
+        flat[7] = len(flat) - _HEADER
+        return torch.tensor(flat, dtype=torch.long)
+
+    @classmethod
+    def decode(cls, wire: torch.Tensor, num_blocks: int) -> StepBatch:
+        """Parse and check a step from rank 0; raises ValueError on anything inconsistent."""
+        v = wire.tolist()
+        if len(v) < _HEADER or v[0] != WIRE_VERSION:
+            raise ValueError("step batch: bad header or version")
+        _, graph, t, nd, npf, ns, width, length = v[:_HEADER]
+        if length != len(v) - _HEADER or min(t, nd, npf, ns, width) < 0 or nd > t:
+            raise ValueError("step batch: sizes do not match the payload")
+        pos = _HEADER
+
+        def take(n: int) -> list[int]:
+            nonlocal pos
+            if pos + n > len(v):
+                raise ValueError("step batch: truncated")
+            out = v[pos:pos + n]
+            pos += n
+            return out
+
+        ids, positions, slots = take(t), take(t), take(t)
+        tables = []
+        for _ in range(nd):
+            row = take(width)
+            tables.append(row[:row.index(-1)] if -1 in row else row)
+        lens = take(nd)
+        prefills = []
+        for _ in range(npf):
+            start, n, ctx, nb = take(4)
+            prefills.append(PrefillChunk(start, n, ctx, take(nb)))
+        sample = take(ns)
+        if pos != len(v):
+            raise ValueError("step batch: trailing data")
+        blocks = [b for row in tables for b in row] + [b for p in prefills for b in p.block_ids]
+        if any(not 0 <= b <= num_blocks for b in blocks) or any(not 0 <= s < t for s in sample):
+            raise ValueError("step batch: block id or sample row out of range")
+        return cls(ids, positions, slots, tables, lens, prefills, sample, bool(graph))
