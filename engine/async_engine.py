@@ -31,6 +31,7 @@ class AsyncEngine:
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stopped = False
+        self.dead = False  # the engine cannot run steps any more (the worker should be restarted)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -47,6 +48,9 @@ class AsyncEngine:
                 except BaseException as e:  # fail every request explicitly rather than hang them
                     log.exception("engine step failed")
                     self._fail_all(f"engine error: {e}")
+                    if getattr(self.engine, "parallel", None) is not None:  # a tensor-parallel rank is gone: no step can run
+                        self._stopped = True
+                        self.dead = True
                     continue
                 for out in outputs:
                     self._deliver(out)
@@ -164,7 +168,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
-            self.engine.close()
+            getattr(self.engine, "close", lambda: None)()
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

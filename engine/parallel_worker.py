@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -129,7 +130,15 @@ def follower_main(rank: int, world: int, init_method: str, config: EngineConfig)
     with torch.inference_mode():
         while (batch := receive_step(ctx, num_blocks)) is not None:
             runner.forward(batch)
-    ctx.close()
+    log.info("rank %d stopping", rank)
+
+
+def _exit_now(code: int) -> None:
+    """Leave without running the collective libraries' teardown: rank 0 owns the group's end, and a
+    destructor racing its own teardown can abort the process after the work is done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         follower_main(args.rank, args.world_size, args.init_method, EngineConfig.from_json(args.config))
     except Exception as e:
         log.error("rank %d failed: %s", args.rank, e)
-        return 1
+        _exit_now(1)
+    _exit_now(0)
     return 0
 
 

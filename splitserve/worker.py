@@ -192,7 +192,8 @@ def http_app(servicer: WorkerServicer) -> Starlette:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(_: Request) -> Response:
-        return JSONResponse({"live": True})
+        dead = servicer.engine is not None and servicer.engine.dead
+        return JSONResponse({"live": not dead}, status_code=503 if dead else 200)
 
     async def readyz(_: Request) -> Response:
         return JSONResponse({"ready": servicer.ready}, status_code=200 if servicer.ready else 503)

@@ -83,3 +83,51 @@ def test_fused_silu_mul_matches_torch():
     ref = torch.nn.functional.silu(gate) * up
     out = silu_mul(x)
     assert (out.float() - ref.float()).norm() / ref.float().norm() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_add_rms_norm_updates_the_residual(dtype):
+    from splitserve.engine.kernels.triton_norm_rope import add_rms_norm
+
+    x = torch.randn(37, 4096, device="cuda", dtype=dtype)
+    res = torch.randn(37, 4096, device="cuda", dtype=dtype)
+    w = torch.rand(4096, device="cuda", dtype=dtype) + 0.5
+    want_res = (x.float() + res.float()).to(dtype)
+    s = want_res.float()
+    want = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float() * w.float()
+    got = add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(res, want_res)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+def moe_reference(x, w13, w2, ids, weights, start):
+    """float32 loop over (token, expert) pairs whose expert is local."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - start
+            if 0 <= e < w13.shape[0]:
+                gu = w13[e].float() @ x[t].float()
+                h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+                out[t] += weights[t, j].float() * (w2[e].float() @ h)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("ep", [(0, 16), (8, 8)])  # (first local expert, local experts) of 16
+def test_fused_moe_matches_reference(tokens, ep):
+    from splitserve.engine.kernels.triton_moe import fused_moe
+
+    torch.manual_seed(tokens)
+    start, n_local = ep
+    hidden, inter, top_k = 256, 96, 4
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w13 = (torch.randn(n_local, 2 * inter, hidden, device="cuda") * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(n_local, hidden, inter, device="cuda") * 0.05).to(torch.bfloat16)
+    scores = torch.randn(tokens, 16, device="cuda").softmax(-1)
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    got = fused_moe(x, w13, w2, ids, weights, start).float()
+    want = moe_reference(x, w13, w2, ids, weights, start)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)

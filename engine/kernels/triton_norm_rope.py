@@ -1,5 +1,6 @@
-"""Fused elementwise kernels for the decode hot path on CUDA (Triton): RMSNorm in one kernel, rotary
-embedding applied in place in one kernel. Each replaces 6-12 small PyTorch kernels per call."""
+"""Fused elementwise kernels for the decode hot path on CUDA (Triton): RMSNorm (alone, or after adding into
+the residual stream), rotary embedding applied in place, and SiLU(gate) * up. Each replaces 3-12 small
+PyTorch kernels per call (benchmarks/gpu_engine.py measures each against the PyTorch ops it replaces)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,33 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLO
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = (x * r).to(w.dtype).to(tl.float32) * w.to(tl.float32)  # HF order: normalise, cast, then scale
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (x + res).to(res_ptr.dtype.element_ty)  # the residual stream stays in the model dtype, as in HF
+    tl.store(res_ptr + row * stride_r + cols, s, mask=mask)
+    s = s.to(tl.float32)
+    r = tl.rsqrt(tl.sum(s * s, 0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (s * r).to(w.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place), then RMSNorm of the new residual; x, residual: [T, n] contiguous rows."""
+    assert x.stride(-1) == 1 and residual.stride(-1) == 1 and x.shape == residual.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[-1]
+    _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
+                                        n, eps, BLOCK=triton.next_power_of_2(n))
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

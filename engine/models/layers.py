@@ -18,11 +18,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with `residual`: (RMSNorm(residual + x), residual + x), updating residual in place on CUDA."""
+        if residual is not None:
+            if x.is_cuda and HAS_TRITON and x.dim() == 2:
+                from splitserve.engine.kernels.triton_norm_rope import add_rms_norm
+
+                return add_rms_norm(x, residual, self.weight, self.eps), residual
+            residual = residual + x
+            return self._norm(residual), residual
         if x.is_cuda and HAS_TRITON:
             from splitserve.engine.kernels.triton_norm_rope import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

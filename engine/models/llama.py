@@ -63,9 +63,16 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, cos_sin, x, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, cos_sin, x, residual, kv_cache, meta: AttentionMetadata):
+        """x: the previous layer's output, residual: the stream before it (None at layer 0); the adds are fused
+        into the norms."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(cos_sin, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -93,9 +100,10 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(cos_sin, x, kv, meta)
-        return self.norm(x)
+            x, residual = layer(cos_sin, x, residual, kv, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return self.lm_head(hidden).float()

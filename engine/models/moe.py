@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.kernels import HAS_TRITON
+
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
@@ -35,6 +37,10 @@ class SparseMoE(nn.Module):
 
     def expert_forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of the local experts' outputs for the tokens routed to them."""
+        if x.is_cuda and HAS_TRITON:  # grouped GEMMs, no host sync (graph-capturable)
+            from splitserve.engine.kernels.triton_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, experts, weights, self.expert_start)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = experts.view(-1)
         order = torch.argsort(flat, stable=True)
