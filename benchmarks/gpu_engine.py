@@ -4,8 +4,11 @@
    contexts, against floor = (weight bytes + KV bytes read) / device copy bandwidth
 2. prefill throughput at 2k and 8k-token prompts as a fraction of the measured bf16 matmul rate (MFU)
 3. offline throughput against Hugging Face `generate` on the same GPU (--offline-prompts x 512 in / 256 out)
-4. a Qwen3-30B-A3B-shaped MoE: decode tokens/s at batch 64 (EP/TP entries are null until they exist)
-Writes one JSON file under benchmarks/results/ (or --out) and prints a table, then the JSON line.
+4. a Qwen3-30B-A3B-shaped MoE: decode tokens/s at batch 64 with EP=1 and, on a 2-GPU host, EP=2 and TP=2
+5. (extras) each fused kernel against the PyTorch ops it replaces, and the 8B decode step at TP=2
+Writes one JSON file under benchmarks/results/ (or --out) and prints a table, then the JSON line. With
+--update FILE the parts run now replace those parts of FILE's results and the rest are kept (one machine
+may run the single-GPU parts and a 2-GPU host the parallel ones).
 """
 
 from __future__ import annotations
@@ -76,15 +79,68 @@ def matmul_tflops() -> float:
     return 2 * n**3 / statistics.median(ts) / 1e12
 
 
-def engine_for(path: str, max_len: int, budget: int, seqs: int, kv: str):
+def engine_for(path: str, max_len: int, budget: int, seqs: int, kv: str, tp: int = 1, ep: bool = False):
     from splitserve.engine import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from splitserve.engine.config import ParallelConfig
     from splitserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(
         model=ModelConfig(path, dtype="bfloat16", device="cuda", max_model_len=max_len, load_format="dummy"),
         cache=CacheConfig(kv_cache_memory=kv, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs),
+        parallel=ParallelConfig(tp, ep),
     ))
+
+
+def gpu_us(fn, iters: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+    e0.record()
+    for _ in range(iters):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / iters * 1e3
+
+
+def fusions() -> list[dict]:
+    """Each fused kernel against the PyTorch ops it replaces, at 8B decode shapes (microseconds per call)."""
+    import torch.nn.functional as F
+
+    from splitserve.engine.kernels.triton_norm_rope import add_rms_norm, rms_norm, rotary_inplace, silu_mul
+
+    def torch_norm(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+    def torch_rope(x, cos, sin):
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return torch.addcmul(xf * cos, torch.cat([-x2, x1], dim=-1), sin).to(x.dtype)
+
+    def measure(rows: int) -> list[dict]:
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(rows, 32, 128, device="cuda", dtype=torch.bfloat16)
+        cos = torch.randn(rows, 1, 128, device="cuda")
+        sin = torch.randn(rows, 1, 128, device="cuda")
+        gu = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+        cases = {
+            "rms_norm": (lambda: rms_norm(x, w, 1e-5), lambda: torch_norm(x, w)),
+            "add_rms_norm": (lambda: add_rms_norm(x, r, w, 1e-5), lambda: torch_norm(r.add_(x), w)),
+            "rotary": (lambda: rotary_inplace(q, cos, sin), lambda: torch_rope(q, cos, sin)),
+            "silu_mul": (lambda: silu_mul(gu), lambda: F.silu(gu[:, :14336]) * gu[:, 14336:]),
+        }
+        found = []
+        for name, (fused, eager) in cases.items():
+            f_us, t_us = gpu_us(fused), gpu_us(eager)
+            found.append({"kernel": name, "rows": rows, "fused_us": f_us, "torch_us": t_us})
+            print(f"fusion {name:>13} rows {rows:>3}: fused {f_us:6.1f} us, torch ops {t_us:6.1f} us", flush=True)
+        return found
+
+    return measure(1) + measure(128)
 
 
 def weight_bytes(engine) -> int:
@@ -112,7 +168,8 @@ def decode_steps(engine, batch: int, context: int, steps: int = 20) -> float:
         ts.append(time.perf_counter() - t0)
     graph_ms = None
     graphs = engine.runner.graphs
-    if graphs is not None and batch <= graphs.max_batch:  # GPU time alone: replay the bucket's graph
+    # GPU time alone: replay the bucket's graph (one process only: a sharded graph waits on its peers)
+    if graphs is not None and engine.parallel is None and batch <= graphs.max_batch:
         g = graphs.graphs[next(x for x in graphs.buckets if x >= batch)][0]
         e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
         e0.record()
@@ -148,19 +205,30 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--offline-prompts", type=int, default=256)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,prefill,offline,moe")
+    ap.add_argument("--skip", default="",
+                    help="comma list of parts to skip: decode,prefill,offline,moe,fusions,parallel")
+    ap.add_argument("--update", default="", help="results file whose other parts are kept")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name(0)
     res = {"device": dev, "copy_gbps": copy_gbps(), "matmul_tflops": matmul_tflops(), "decode": None,
-           "prefill": None, "offline": None, "moe": None, "notes": []}
+           "prefill": None, "offline": None, "moe": None, "fusions": None, "tp_decode": None, "notes": []}
+    if args.update:
+        kept = json.loads(Path(args.update).read_text())
+        if kept.get("device") != dev:
+            raise SystemExit(f"--update: {args.update} was measured on {kept.get('device')}, this is {dev}")
+        res.update({k: v for k, v in kept.items() if k not in ("copy_gbps", "matmul_tflops")})
+        res.setdefault("notes", [])
+        res["copy_gbps_runs"] = [kept["copy_gbps"], res["copy_gbps"]]
     print(f"device {dev}: copy {res['copy_gbps']:.0f} GB/s (read+write), bf16 matmul {res['matmul_tflops']:.0f} TFLOP/s",
           flush=True)
+    if "fusions" not in skip:
+        res["fusions"] = fusions()
     dense = model_dir(LLAMA8B)
-    eng = engine_for(dense, 16384, 16384, 256, "40GiB")
-    wbytes = weight_bytes(eng)
+    eng = engine_for(dense, 16384, 16384, 256, "40GiB") if {"decode", "prefill", "offline"} - skip else None
+    wbytes = weight_bytes(eng) if eng is not None else 0
     kv_per_token = 2 * 32 * 8 * 128 * 2
     if "decode" not in skip:
         res["decode"] = []
@@ -195,6 +263,7 @@ def main() -> None:
         torch.cuda.synchronize()
         ours = sum(len(r["token_ids"]) for r in out) / (time.perf_counter() - t0)
         model = eng.runner.model
+        eng.close()
         del eng, out
         hf_tok_s = None
         try:
@@ -222,13 +291,37 @@ def main() -> None:
     else:
         del eng
     torch.cuda.empty_cache()
-    if "moe" not in skip:
-        moe = engine_for(model_dir(QWEN3_30B_A3B), 4096, 8192, 128, "16GiB")
-        step = decode_steps(moe, 64, 512, steps=10)
-        res["moe"] = [{"ep": 1, "tp": 1, "batch": 64, "tok_s": 64 / step}, {"ep": 2, "tp": 1, "batch": 64, "tok_s": None},
-                      {"ep": 1, "tp": 2, "batch": 64, "tok_s": None}]
-        res["notes"].append("EP=2 and TP=2 are not implemented yet: null")
-        print(f"moe qwen3-30b-a3b shape, batch 64: {64 / step:.0f} tok/s ({step * 1e3:.1f} ms/step)", flush=True)
+    two_gpus = torch.cuda.device_count() >= 2
+    runs = [(1, 1)] if "moe" not in skip else []
+    if two_gpus and "parallel" not in skip:
+        runs += [(2, 1), (1, 2)]  # EP=2 (attention tensor-parallel over the 2 GPUs), TP=2
+    if runs:
+        res["moe"] = [m for m in (res.get("moe") or []) if m["tok_s"] is not None]
+        for ep, tp in runs:
+            world = max(ep, tp)
+            moe = engine_for(model_dir(QWEN3_30B_A3B), 4096, 8192, 64, "16GiB", tp=world, ep=ep > 1)
+            step = decode_steps(moe, 64, 512, steps=10)
+            gms = moe.last_graph_ms
+            moe.close()
+            del moe
+            torch.cuda.empty_cache()
+            res["moe"] = [m for m in res["moe"] if (m["ep"], m["tp"]) != (ep, tp)]
+            res["moe"].append({"ep": ep, "tp": tp, "gpus": world, "batch": 64, "tok_s": 64 / step,
+                               "step_ms": step * 1e3, "graph_replay_ms": gms})
+            print(f"moe qwen3-30b-a3b shape, EP={ep} TP={tp}, batch 64: {64 / step:.0f} tok/s "
+                  f"({step * 1e3:.1f} ms/step)", flush=True)
+        for ep, tp in ((1, 1), (2, 1), (1, 2)):
+            if not any((m["ep"], m["tp"]) == (ep, tp) for m in res["moe"]):
+                res["moe"].append({"ep": ep, "tp": tp, "batch": 64, "tok_s": None})
+    if two_gpus and "parallel" not in skip:
+        eng = engine_for(dense, 4096, 8192, 32, "16GiB", tp=2)
+        res["tp_decode"] = []
+        for b in (1, 32):
+            step = decode_steps(eng, b, args.context)
+            res["tp_decode"].append({"tp": 2, "batch": b, "context": args.context, "step_ms": step * 1e3,
+                                     "graph_replay_ms": eng.last_graph_ms})
+            print(f"decode 8B TP=2 batch {b:>3}: {step * 1e3:.2f} ms/step", flush=True)
+        eng.close()
     out = args.out or str(Path(os.environ.get("OUT", "benchmarks/results")) /
                           f"gpu_engine_{dev.replace(' ', '_').lower()}.json")
     Path(out).parent.mkdir(parents=True, exist_ok=True)

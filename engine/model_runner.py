@@ -120,8 +120,10 @@ class ModelRunner:
     def forward(self, batch: StepBatch, on_layer_written=None) -> torch.Tensor | None:
         """Run one step; logits [num_samples, vocab] float32 (None when nothing is sampled)."""
         if batch.use_graph:
-            logits = self.graphs.run(batch)
-            return logits[batch.sample_idx].float() if batch.sample_idx else None
+            logits = self.graphs.run(batch)  # [num_decodes, vocab] float32
+            if len(batch.sample_idx) == batch.num_decodes:  # every row (rows are in order): no gather
+                return logits
+            return logits[batch.sample_idx] if batch.sample_idx else None
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long).to(dev),
                                  block_size=self.block_size, num_decodes=batch.num_decodes,
