@@ -249,7 +249,8 @@ def load_into(param: torch.Tensor, index, tensor: torch.Tensor, shard: dict[int,
     rows = shard[d]
     mine = ((rows >= start) & (rows < stop)).nonzero().flatten()
     if len(mine):
-        dst.index_copy_(out_d, mine, src.index_select(out_d, rows[mine] - start).to(dst.dtype))
+        picked = src.index_select(out_d, (rows[mine] - start).to(src.device))
+        dst.index_copy_(out_d, mine.to(dst.device), picked.to(dst.dtype))
 
 
 def _local_of(rows: torch.Tensor, full: int) -> int | None:
