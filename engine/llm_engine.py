@@ -124,6 +124,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one device)."""
         if self.parallel is not None:
+            self.runner.graphs = None  # graphs hold the communicators: release them first
             stop_followers(self.parallel, self._followers)
             self.parallel = None
 

@@ -65,8 +65,15 @@ class ParallelContext:
         return int(t.item())
 
     def close(self) -> None:
-        if not self.closed and dist.is_initialized():
-            self.closed = True
+        """Tear the groups down. NCCL's are aborted rather than destroyed: a destroy waits on the peers (and on
+        CUDA graphs still holding the communicator), and a closing group has nothing left to finish."""
+        if self.closed or not dist.is_initialized():
+            return
+        self.closed = True
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.get_backend(self.group) == "nccl":
+            abort()
+        else:
             dist.destroy_process_group()
 
 

@@ -109,13 +109,18 @@ def stop_followers(ctx: ParallelContext, procs: list[subprocess.Popen], timeout_
         send_stop(ctx)
     except Exception as e:  # a follower already gone: make sure the rest go too
         log.warning("could not tell followers to stop: %s", e)
+    # every rank tears its communicators down at the same time (NCCL's teardown waits for the peers)
+    closer = threading.Thread(target=ctx.close, daemon=True)
+    closer.start()
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-    ctx.close()
+    closer.join(max(0.1, deadline - time.monotonic()))
+    if closer.is_alive():
+        log.warning("tensor-parallel group teardown did not finish in %.0f s", timeout_s)
 
 
 def follower_main(rank: int, world: int, init_method: str, config: EngineConfig) -> None:
@@ -131,11 +136,13 @@ def follower_main(rank: int, world: int, init_method: str, config: EngineConfig)
         while (batch := receive_step(ctx, num_blocks)) is not None:
             runner.forward(batch)
     log.info("rank %d stopping", rank)
+    runner.graphs = None  # graphs hold the communicators: release them first
+    ctx.close()
 
 
 def _exit_now(code: int) -> None:
-    """Leave without running the collective libraries' teardown: rank 0 owns the group's end, and a
-    destructor racing its own teardown can abort the process after the work is done."""
+    """Leave without the interpreter's teardown: the group is already closed, and a collective library's
+    destructor running at exit can abort an otherwise finished process."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
