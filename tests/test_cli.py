@@ -42,6 +42,18 @@ def test_readme_generate_example_prints_one_json_object():
     assert "Paris" in obj["text"]
 
 
+def test_readme_tensor_parallel_example_matches_one_process():
+    """The README's tensor-parallel example (SmolLM2 over 3 CPU processes) gives the one-process tokens."""
+    cmds = [c for c in readme_commands() if c[0] == "generate"]
+    sharded = [c for c in cmds if "--tensor-parallel-size" in c]
+    assert sharded, "README lost its tensor-parallel example"
+    one = [c[:c.index("--tensor-parallel-size")] for c in sharded]
+    res_tp, res_one = run(sharded[0] + ["--device", "cpu"]), run(one[0] + ["--device", "cpu"])
+    assert res_tp.returncode == 0, res_tp.stderr
+    assert json.loads(res_tp.stdout)["token_ids"] == json.loads(res_one.stdout)["token_ids"]
+    assert '"rank 2/3 joined' in res_tp.stderr  # really three processes
+
+
 def test_generate_contract_is_deterministic_greedy():
     args = ["generate", "--model", "smollm2", "--prompt", "Say hello.", "--chat", "--max-tokens", "16",
             "--temperature", "0", "--dtype", "float32", "--json"]
