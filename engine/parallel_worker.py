@@ -8,10 +8,8 @@ Rank 0 starts its followers with `start_followers`; they die with it (PR_SET_PDE
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -67,13 +65,9 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device(want)
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def start_followers(config: EngineConfig, device: torch.device) -> tuple[ParallelContext, list[subprocess.Popen]]:
     """Start ranks 1..N-1 and join them as rank 0; fails with the rank's exit code if one dies first."""
-    from splitserve.launcher import free_port
+    from splitserve.launcher import die_with_parent, free_port
 
     world = config.parallel.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
@@ -81,7 +75,7 @@ def start_followers(config: EngineConfig, device: torch.device) -> tuple[Paralle
         subprocess.Popen([sys.executable, "-m", "splitserve.engine.parallel_worker", "--rank", str(r),
                           "--world-size", str(world), "--init-method", init_method, "--config", config.to_json()],
                          stdin=subprocess.DEVNULL,
-                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                         preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         for r in range(1, world)
     ]
     joined: dict[str, object] = {}

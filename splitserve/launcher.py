@@ -52,7 +52,8 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """preexec_fn for children: SIGTERM when the parent dies (Linux)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -67,7 +68,7 @@ class Launcher:
     def _spawn(self, name: str, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "splitserve.cli", *args]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         self.procs.append((name, proc))
 
     def start(self) -> None:
