@@ -48,7 +48,7 @@ class AsyncEngine:
                 except BaseException as e:  # fail every request explicitly rather than hang them
                     log.exception("engine step failed")
                     self._fail_all(f"engine error: {e}")
-                    if getattr(self.engine, "parallel", None) is not None:  # a tensor-parallel rank is gone: no step can run
+                    if self.engine.parallel is not None:  # a tensor-parallel rank is gone: no step can run
                         self._stopped = True
                         self.dead = True
                     continue
@@ -168,7 +168,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
-            getattr(self.engine, "close", lambda: None)()
+            self.engine.close()
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

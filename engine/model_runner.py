@@ -11,6 +11,7 @@ from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.engine.models.arch import ArchConfig
 from splitserve.engine.models.llama import CausalLM
 from splitserve.engine.parallel import ParallelContext
+from splitserve.engine.parallel_worker import send_step
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from splitserve.engine.step_batch import PrefillChunk, StepBatch
@@ -80,8 +81,6 @@ class ModelRunner:
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         batch = self.build(order, graphs_ok=hook is None)
         if self.parallel is not None:
-            from splitserve.engine.parallel_worker import send_step
-
             send_step(self.parallel, batch)
         if hook is not None:
             hook.on_step_begin(order)

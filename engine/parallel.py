@@ -151,16 +151,17 @@ def shard_model(model: CausalLM, ctx: ParallelContext) -> CausalLM:
     q_heads = _split(cfg.num_heads, ctx, "num_attention_heads")
     kv_heads = _kv_heads(cfg.num_kv_heads, ctx)
     d = cfg.head_dim
+    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+    # the same rows in every layer: q heads, then K heads, then V heads of the fused qkv
+    rows = torch.cat([_rows(q_heads, d), _rows(kv_heads, d, q_size), _rows(kv_heads, d, q_size + kv_size)])
+    cols = _rows(q_heads, d)
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
         attn = layer.self_attn
-        rows = torch.cat([_rows(q_heads, d), _rows(kv_heads, d, attn.q_size),
-                          _rows(kv_heads, d, attn.q_size + attn.kv_size)])
         attn.qkv_proj = _sharded_linear(attn.qkv_proj, 0, rows)
         shards[p + "self_attn.qkv_proj.weight"] = {0: rows}
         if attn.qkv_proj.bias is not None:
             shards[p + "self_attn.qkv_proj.bias"] = {0: rows}
-        cols = _rows(q_heads, d)
         attn.o_proj = _sharded_linear(attn.o_proj, 1, cols)
         attn.o_proj.register_forward_hook(reduce)
         shards[p + "self_attn.o_proj.weight"] = {1: cols}
