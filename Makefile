@@ -33,7 +33,7 @@ test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 proto: venv
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. splitserve/protocol/splitserve.proto
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. splitserve/common/protocol/splitserve.proto
 
 lint: venv
 	$(BIN)/ruff check .

@@ -123,10 +123,10 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
 
-    from splitserve.engine.model_files import resolve_model
-    from splitserve.engine.tokenizer import Tokenizer
+    from splitserve.common.text import Tokenizer
+    from splitserve.engine.model_files import prepare_model
 
-    model_dir = resolve_model(args.model)
+    model_dir = prepare_model(args.model)
     prompts = make_prompts(Tokenizer(model_dir), args.num_prompts)
     rows = []
     ours = bench_ours(model_dir, prompts, args.output_len, args.dtype)

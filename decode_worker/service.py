@@ -9,19 +9,17 @@ failed transfer may still write into are freed only after the prefill call has e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
-from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.outputs import RequestOutput
-from splitserve.kv_transfer import KVTransferAgent, TransferError
-from splitserve.metrics import LOCAL_PREFILL, REMOTE_PREFILL, WORKER_REQUESTS
-from splitserve.protocol import PROTOCOL_VERSION
-from splitserve.protocol import splitserve_pb2 as pb
-from splitserve.protocol import splitserve_pb2_grpc as pb_grpc
-from splitserve.protocol.convert import (
+from splitserve.common.membership import Membership
+from splitserve.common.protocol import PROTOCOL_VERSION
+from splitserve.common.protocol import splitserve_pb2 as pb
+from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
+from splitserve.common.protocol.convert import (
     ProtocolError,
     check_request,
     logprob_from_pb,
@@ -29,6 +27,12 @@ from splitserve.protocol.convert import (
     params_from_pb,
     params_to_pb,
 )
+from splitserve.common.tasks import TaskOwner
+from splitserve.common.worker_metrics import WORKER_REQUESTS
+from splitserve.decode_worker.metrics import LOCAL_PREFILL, REMOTE_PREFILL
+from splitserve.engine.interface import ServingEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.kv_transfer import KVTransferAgent, TransferError
 
 log = logging.getLogger("splitserve.decode_worker")
 
@@ -38,23 +42,48 @@ class RemotePrefillFailed(Exception):
 
 
 class DecodeService:
-    def __init__(self, engine: AsyncEngine, agent: KVTransferAgent | None, prefill_peers: list[str],
+    """Generate on a decode worker (`agent` and prefill peers) or a colocated one (no agent: always local)."""
+
+    def __init__(self, engine: ServingEngine, agent: KVTransferAgent | None, membership: Membership,
                  threshold: int = 512, transfer_timeout: float = 30.0) -> None:
+        self.role = "decode" if agent is not None else "both"
         self.engine = engine
         self.agent = agent
+        self.membership = membership
         self.threshold = threshold
         self.transfer_timeout = transfer_timeout
-        self._peers = {p: pb_grpc.WorkerStub(grpc.aio.insecure_channel(p)) for p in prefill_peers} if agent else {}
+        self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.WorkerStub]] = {}  # endpoint -> channel, stub
         self._warned: set[str] = set()
+        self._tasks = TaskOwner("decode")
+
+    def _peer(self, name: str) -> str | None:
+        """The endpoint of prefill peer `name`, if membership has it (a name from the router, never an address)."""
+        for w in self.membership.workers():
+            if w.name == name and w.role == "prefill" and not w.draining:
+                return w.endpoint
+        return None
+
+    def _stub(self, endpoint: str) -> pb_grpc.WorkerStub:
+        entry = self._stubs.get(endpoint)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(endpoint)
+            entry = self._stubs[endpoint] = (channel, pb_grpc.WorkerStub(channel))
+        return entry[1]
+
+    def _has_peers(self) -> bool:
+        return self.agent is not None and any(w.role == "prefill" for w in self.membership.workers())
 
     async def generate(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        eng = self.engine.engine
+        facts = self.engine.facts
+        peer = None
         try:
-            check_request(req.protocol_version, req.request_id, req.prompt_token_ids, eng.arch.vocab_size,
-                          eng.max_model_len)
+            check_request(req.protocol_version, req.request_id, req.prompt_token_ids, facts.vocab_size,
+                          facts.max_model_len)
             params = params_from_pb(req.params)
-            if req.prefill_worker and req.prefill_worker not in self._peers:
-                raise ProtocolError(f"prefill_worker {req.prefill_worker!r} is not one of this worker's peers")
+            if req.prefill_worker and self.agent is not None:
+                peer = self._peer(req.prefill_worker)
+                if peer is None:
+                    raise ProtocolError(f"prefill_worker {req.prefill_worker!r} is not one of this worker's peers")
         except ProtocolError as e:
             WORKER_REQUESTS.labels("generate", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -62,11 +91,11 @@ class DecodeService:
         rid = req.request_id
         stream: AsyncIterator[RequestOutput] | None = None
         remote = False
-        if req.prefill_worker and len(prompt) >= self.threshold:
-            stream = await self._remote(rid, prompt, params, req.priority, req.prefill_worker)
+        if peer is not None and len(prompt) >= self.threshold:
+            stream = await self._remote(rid, prompt, params, req.priority, peer)
             remote = stream is not None
-        elif req.prefill_worker or self._peers:
-            LOCAL_PREFILL.labels("short_prompt" if req.prefill_worker else "no_prefill_worker").inc()
+        elif peer is not None or self._has_peers():
+            LOCAL_PREFILL.labels("short_prompt" if peer is not None else "no_prefill_worker").inc()
         if stream is None:
             stream = self.engine.generate(rid, prompt, params, req.priority)
         async for out in stream:
@@ -80,27 +109,29 @@ class DecodeService:
             LOCAL_PREFILL.labels("no_free_blocks").inc()
             return None
         block_ids, cached = reserved
-        bs = self.engine.engine.kv_spec.block_size
+        bs = self.engine.kv_spec.block_size
         if len(prompt) - cached < self.threshold:
             await self.engine.abort(rid)
             LOCAL_PREFILL.labels("short_prompt").inc()
             return None
         ticket = self.agent.expect(rid, block_ids, skip_blocks=cached // bs, timeout_s=self.transfer_timeout)
-        call = self._peers[peer].Prefill(pb.PrefillRequest(
+        call = self._stub(peer).Prefill(pb.PrefillRequest(
             protocol_version=PROTOCOL_VERSION, request_id=rid, prompt_token_ids=prompt,
             params=params_to_pb(params), ticket=ticket.encode()), timeout=self.transfer_timeout)
+        landed = asyncio.ensure_future(self.agent.wait(rid))
         try:
-            landed = asyncio.ensure_future(self.agent.wait(rid))
             try:
                 resp = await call
                 await landed
             finally:
                 if not landed.done():
                     landed.cancel()
+                elif not landed.cancelled():
+                    landed.exception()  # observed here: the call's error is the one reported
         except (TimeoutError, grpc.aio.AioRpcError, TransferError) as e:
             self.agent.cancel(rid)
             self.agent.forget(rid)
-            asyncio.ensure_future(self._free_after(rid, call))
+            self._tasks.spawn(self._free_after(rid, call), f"free {rid}")
             REMOTE_PREFILL.labels("failed").inc()
             LOCAL_PREFILL.labels("fallback").inc()
             reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
@@ -117,10 +148,8 @@ class DecodeService:
     async def _free_after(self, rid: str, call) -> None:
         """Free a failed reservation once the prefill call is over (a late write can no longer land)."""
         call.cancel()
-        try:
+        with contextlib.suppress(BaseException):  # any ending will do: the call is over
             await asyncio.wait_for(call, timeout=self.transfer_timeout)
-        except BaseException:
-            pass
         await asyncio.sleep(0.5)
         await self.engine.abort(rid)
 
@@ -134,6 +163,13 @@ class DecodeService:
                 yield out
 
         return relabel()
+
+    async def close(self) -> None:
+        await self._tasks.close()
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        if self.agent is not None:
+            self.agent.close()
 
 
 def _to_pb(out: RequestOutput, remote: bool) -> pb.GenerateResponse:

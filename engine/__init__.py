@@ -3,10 +3,10 @@
 Both worker roles run it; `LLMEngine` is the synchronous core, `AsyncEngine` drives it from a thread.
 """
 
+from splitserve.common.hashing import hash_block_tokens, hash_token_blocks
+from splitserve.common.sampling import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from splitserve.engine.hashing import hash_block_tokens, hash_token_blocks
 from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
 
 __all__ = [
     "CacheConfig",

@@ -1,7 +1,8 @@
-"""An asyncio face for the engine: `step()` runs in its own thread; requests stream outputs back.
+"""An asyncio face for the engine (`ServingEngine`): `step()` runs in its own thread; requests stream outputs back.
 
-Everything that touches the engine runs on that thread (commands are queued and run between steps), so the
-engine itself needs no locks.
+Everything that touches the engine runs on that thread (commands are queued and run between steps, in order),
+so the engine itself needs no locks. A caller cancelled while its command is still queued leaves no request
+behind: an abort is queued after the command.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
+
+from splitserve.common.sampling import Logprob, SamplingParams
+from splitserve.engine.interface import KVEventListener, KVLayerHook
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("splitserve.engine.async")
 T = TypeVar("T")
@@ -28,6 +32,8 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.facts = engine.facts
+        self.kv_spec = engine.kv_spec
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stopped = False
@@ -74,6 +80,18 @@ class AsyncEngine:
             loop, queue = entry
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
+    # -- set-up (before requests flow) -----------------------------------------------------------------
+    def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.engine.kv_tensors()
+
+    def add_layer_hook(self, hook: KVLayerHook) -> None:
+        self._commands.append(lambda: self.engine.add_layer_hook(hook))
+        self._wake.set()
+
+    def add_kv_event_listener(self, listener: KVEventListener) -> None:
+        self._commands.append(lambda: self.engine.add_kv_event_listener(listener))
+        self._wake.set()
+
     # -- calls from asyncio -------------------------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
@@ -110,17 +128,36 @@ class AsyncEngine:
                        priority: int = 0, hold_blocks: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; leaving the iterator early (or cancellation) aborts it."""
         queue = self._register(request_id)
-        try:
-            await self.call(lambda e: e.add_request(request_id, prompt_token_ids, params, priority, hold_blocks))
-        except BaseException:
-            self._unregister(request_id)
-            raise
+        await self._call_for(request_id,
+                             lambda e: e.add_request(request_id, prompt_token_ids, params, priority, hold_blocks))
         async for out in self._stream(request_id, queue):
             yield out
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _call_for(self, request_id: str, fn: Callable[[LLMEngine], T]) -> T:
+        """`call` for a command that creates or admits `request_id`. If the command fails, nothing was created;
+        if the caller is cancelled while it is queued, it may still run, so an abort is queued after it."""
+        try:
+            return await self.call(fn)
+        except asyncio.CancelledError:
+            self._abort_later(request_id)
+            raise
+        except BaseException:
+            self._unregister(request_id)
+            raise
+
+    def _abort_later(self, request_id: str) -> None:
+        """Stop streaming to `request_id` and abort it after every command queued so far (a cancelled
+        `add_request` may still run: the abort follows it, so nothing is left holding blocks)."""
+        self._unregister(request_id)
+        self._commands.append(lambda: self.engine.abort_request(request_id))
+        self._wake.set()
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue,
+                      first: RequestOutput | None = None) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
+            if first is not None:
+                yield first
             while True:
                 out: RequestOutput = await queue.get()
                 finished = out.finished
@@ -129,28 +166,24 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._unregister(request_id)
-                self._commands.append(lambda: self.engine.abort_request(request_id))
-                self._wake.set()
+                self._abort_later(request_id)
 
     async def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                              priority: int = 0) -> tuple[list[int], int] | None:
-        return await self.call(lambda e: e.reserve_remote(request_id, prompt_token_ids, params, priority))
+        """Blocks for a prompt whose KV arrives from outside: (block ids, prompt tokens cached here) or None."""
+        return await self._call_for(request_id,
+                                    lambda e: e.reserve_remote(request_id, prompt_token_ids, params, priority))
 
-    async def stream_remote(self, request_id: str, first_token_id: int, first_logprob=None) -> AsyncIterator[RequestOutput]:
+    async def stream_remote(self, request_id: str, first_token_id: int,
+                            first_logprob: Logprob | None = None) -> AsyncIterator[RequestOutput]:
         """Admit a request whose KV landed and stream its outputs, starting with the first token."""
         queue = self._register(request_id)
-        try:
-            first = await self.call(lambda e: e.admit_remote(request_id, first_token_id, first_logprob))
-        except BaseException:
-            self._unregister(request_id)
-            raise
+        first = await self._call_for(request_id, lambda e: e.admit_remote(request_id, first_token_id, first_logprob))
         if first.finished:
             self._unregister(request_id)
             yield first
             return
-        yield first
-        async for out in self._stream(request_id, queue):
+        async for out in self._stream(request_id, queue, first):
             yield out
 
     async def abort(self, request_id: str) -> None:

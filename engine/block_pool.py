@@ -25,7 +25,12 @@ class BlockRemoved:
     block_hashes: list[int]
 
 
-KVCacheEvent = BlockStored | BlockRemoved
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every cached block is gone (the prefix cache was reset)."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -137,6 +142,6 @@ class BlockPool:
         for h in dropped:
             b = self.cached.pop(h)
             self.block_hash[b] = None
-        if dropped and self.on_event:
-            self.on_event(BlockRemoved(dropped))
+        if self.on_event:
+            self.on_event(AllBlocksCleared() if not self.cached else BlockRemoved(dropped))
         return len(dropped)

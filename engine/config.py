@@ -1,4 +1,5 @@
-"""Engine configuration: one small dataclass per component, composed into `EngineConfig`.
+"""Engine configuration: one small dataclass per component, composed into `EngineConfig`, built from the
+configuration model by `engine_config` (the engine's own, derived view; users never write it).
 
 Values measured at run time (the number of KV blocks) live in `KVCacheSpec`, apart from user config.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
+
+from splitserve.common.config import EngineSpec, ModelSpec
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
@@ -132,3 +135,19 @@ class KVCacheSpec:
     def block_bytes_per_layer(self) -> int:  # bytes of one block of K (or of V) in one layer
         itemsize = 2 if self.dtype in ("bfloat16", "float16") else 4
         return self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def engine_config(model: ModelSpec, engine: EngineSpec) -> EngineConfig:
+    """The engine's configuration for a worker running `model` with a role's `engine` settings (from the one
+    configuration model, `splitserve.common.config`, which validates every value a user can write)."""
+    return EngineConfig(
+        model=ModelConfig(model.name, dtype=model.dtype, device=model.device, max_model_len=model.max_model_len,
+                          served_model_name=model.served_model_name, load_format=model.load_format,
+                          enforce_eager=model.enforce_eager),
+        cache=CacheConfig(block_size=model.block_size, kv_cache_memory=engine.kv_cache_memory,
+                          enable_prefix_caching=engine.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=engine.max_num_batched_tokens,
+                                  max_num_seqs=engine.max_num_seqs, policy=engine.scheduling_policy),
+        parallel=ParallelConfig(model.tensor_parallel_size, model.expert_parallel),
+        seed=engine.seed,
+    )

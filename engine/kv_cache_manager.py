@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from splitserve.common.hashing import hash_block_tokens
 from splitserve.engine.block_pool import BlockPool
-from splitserve.engine.hashing import hash_block_tokens
 from splitserve.engine.request import Request
 
 

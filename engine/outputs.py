@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitserve.engine.request import Logprob
+from splitserve.common.sampling import Logprob
 
 
 @dataclass
@@ -12,7 +12,6 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprob] = field(default_factory=list)
-    new_text: str = ""  # incremental text (when the engine has a tokenizer)
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

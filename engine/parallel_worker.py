@@ -16,66 +16,24 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
+from splitserve.common.proc import die_with_parent, free_port
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.loading import build_runner, rank_device
 from splitserve.engine.parallel import ParallelContext, init_parallel
-from splitserve.engine.step_batch import StepBatch
+from splitserve.engine.step_batch import receive_step, send_stop
 
 log = logging.getLogger("splitserve.engine.parallel_worker")
 
-_STOP, _STEP = 0, 1
-_MAX_WIRE = 1 << 26  # int64s in one step message
-
-
-def send_step(ctx: ParallelContext, batch: StepBatch) -> None:
-    wire = batch.encode()
-    dist.broadcast(torch.tensor([_STEP, wire.numel()], dtype=torch.long), src=0, group=ctx.control)
-    dist.broadcast(wire, src=0, group=ctx.control)
-
-
-def send_stop(ctx: ParallelContext) -> None:
-    dist.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), src=0, group=ctx.control)
-
-
-def receive_step(ctx: ParallelContext, num_blocks: int) -> StepBatch | None:
-    """The next step from rank 0, or None when told to stop."""
-    head = torch.empty(2, dtype=torch.long)
-    dist.broadcast(head, src=0, group=ctx.control)
-    kind, n = head.tolist()
-    if kind == _STOP:
-        return None
-    if kind != _STEP or not 0 < n <= _MAX_WIRE:
-        raise ValueError(f"bad step message header {kind}, {n}")
-    wire = torch.empty(n, dtype=torch.long)
-    dist.broadcast(wire, src=0, group=ctx.control)
-    return StepBatch.decode(wire, num_blocks)
-
-
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    want = config.model.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want.startswith("cuda"):
-        world = config.parallel.tensor_parallel_size
-        if world > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs, "
-                             f"{torch.cuda.device_count()} are visible")
-        return torch.device("cuda", rank if world > 1 else (torch.device(want).index or 0))
-    return torch.device(want)
-
-
 def start_followers(config: EngineConfig, device: torch.device) -> tuple[ParallelContext, list[subprocess.Popen]]:
     """Start ranks 1..N-1 and join them as rank 0; fails with the rank's exit code if one dies first."""
-    from splitserve.launcher import die_with_parent, free_port
-
     world = config.parallel.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     procs = [
         subprocess.Popen([sys.executable, "-m", "splitserve.engine.parallel_worker", "--rank", str(r),
                           "--world-size", str(world), "--init-method", init_method, "--config", config.to_json()],
                          stdin=subprocess.DEVNULL,
-                         preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+                         preexec_fn=die_with_parent)
         for r in range(1, world)
     ]
     joined: dict[str, object] = {}
@@ -118,8 +76,6 @@ def stop_followers(ctx: ParallelContext, procs: list[subprocess.Popen], timeout_
 
 
 def follower_main(rank: int, world: int, init_method: str, config: EngineConfig) -> None:
-    from splitserve.engine.llm_engine import build_runner
-
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -143,7 +99,7 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from splitserve.logs import setup_logging
+    from splitserve.common.logs import setup_logging
 
     ap = argparse.ArgumentParser(prog="splitserve.engine.parallel_worker",
                                  description="a tensor-parallel rank (started by rank 0, not by hand)")

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.sampling import Logprob, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -31,13 +31,6 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_ABORTED: "abort",
             RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
-
-
-@dataclass
-class Logprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
 
 @dataclass(eq=False)

@@ -1,5 +1,5 @@
 """One forward pass as plain integers: built by the model runner from the scheduler's output, and what rank 0
-sends every other tensor-parallel rank so all of them run the same step.
+sends every other tensor-parallel rank so all of them run the same step (`send_step` / `receive_step`).
 
 The wire form is one int64 tensor (no pickle): a fixed header, then the lists back to back.
 """
@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+
+from splitserve.engine.parallel import ParallelContext
 
 WIRE_VERSION = 1
 _HEADER = 8  # version, use_graph, num_tokens, num_decodes, num_prefills, num_samples, table_width, payload length
@@ -93,3 +96,31 @@ class StepBatch:
         if any(not 0 <= b <= num_blocks for b in blocks) or any(not 0 <= s < t for s in sample):
             raise ValueError("step batch: block id or sample row out of range")
         return cls(ids, positions, slots, tables, lens, prefills, sample, bool(graph))
+
+
+_STOP, _STEP = 0, 1
+_MAX_WIRE = 1 << 26  # int64s in one step message
+
+
+def send_step(ctx: ParallelContext, batch: StepBatch) -> None:
+    wire = batch.encode()
+    dist.broadcast(torch.tensor([_STEP, wire.numel()], dtype=torch.long), src=0, group=ctx.control)
+    dist.broadcast(wire, src=0, group=ctx.control)
+
+
+def send_stop(ctx: ParallelContext) -> None:
+    dist.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), src=0, group=ctx.control)
+
+
+def receive_step(ctx: ParallelContext, num_blocks: int) -> StepBatch | None:
+    """The next step from rank 0, or None when told to stop."""
+    head = torch.empty(2, dtype=torch.long)
+    dist.broadcast(head, src=0, group=ctx.control)
+    kind, n = head.tolist()
+    if kind == _STOP:
+        return None
+    if kind != _STEP or not 0 < n <= _MAX_WIRE:
+        raise ValueError(f"bad step message header {kind}, {n}")
+    wire = torch.empty(n, dtype=torch.long)
+    dist.broadcast(wire, src=0, group=ctx.control)
+    return StepBatch.decode(wire, num_blocks)

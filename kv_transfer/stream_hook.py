@@ -69,11 +69,12 @@ class KVStreamHook:
             self._streams.pop(request_id, None)
 
     # -- KVLayerHook ---------------------------------------------------------------------------------
-    def on_step_begin(self, scheduled) -> None:
+    def on_step_begin(self, scheduled) -> bool:
+        """Plan this step's sends; True when some registered request has blocks to stream in it."""
         self._step = []
         with self._lock:
             if not self._streams:
-                return
+                return False
             for s in scheduled:
                 stream = self._streams.get(s.request_id)
                 if stream is None or stream.error is not None or s.start >= stream.num_prompt_tokens:
@@ -94,6 +95,7 @@ class KVStreamHook:
                 final = end == stream.num_prompt_tokens
                 self._step.append((stream, range(stream.next_block, last_block), final))
                 stream.next_block = end // self.block_size
+        return bool(self._step)
 
     @staticmethod
     def _fail(stream: _Stream, error: TransferError) -> None:

@@ -12,34 +12,36 @@ import time
 
 import grpc
 
-from splitserve.engine.async_engine import AsyncEngine
+from splitserve.common.protocol import splitserve_pb2 as pb
+from splitserve.common.protocol.convert import ProtocolError, check_request, logprob_to_pb, params_from_pb
+from splitserve.common.worker_metrics import WORKER_REQUESTS
+from splitserve.engine.interface import ServingEngine
 from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.kv_transfer import KVTransferAgent, MalformedTicket, TransferError, TransferTicket
 from splitserve.kv_transfer.stream_hook import KVStreamHook
-from splitserve.metrics import WORKER_REQUESTS
-from splitserve.protocol import splitserve_pb2 as pb
-from splitserve.protocol.convert import ProtocolError, check_request, logprob_to_pb, params_from_pb
 
 log = logging.getLogger("splitserve.prefill_worker")
 
 
 class PrefillService:
-    def __init__(self, engine: AsyncEngine, agent: KVTransferAgent, hook: KVStreamHook) -> None:
+    role = "prefill"
+
+    def __init__(self, engine: ServingEngine, agent: KVTransferAgent, hook: KVStreamHook) -> None:
         self.engine = engine
         self.agent = agent
         self.hook = hook
 
     async def prefill(self, req: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
-        eng = self.engine.engine
+        facts = self.engine.facts
         try:
-            check_request(req.protocol_version, req.request_id, req.prompt_token_ids, eng.arch.vocab_size,
-                          eng.max_model_len)
+            check_request(req.protocol_version, req.request_id, req.prompt_token_ids, facts.vocab_size,
+                          facts.max_model_len)
             params = params_from_pb(req.params)
             ticket = TransferTicket.decode(req.ticket)
             ticket.check_compatible(self.agent.layout)
             if ticket.request_id != req.request_id:
                 raise ProtocolError("ticket.request_id differs from request_id")
-            need = cdiv(len(req.prompt_token_ids), eng.kv_spec.block_size)
+            need = cdiv(len(req.prompt_token_ids), self.engine.kv_spec.block_size)
             if len(ticket.block_ids) != need:
                 raise ProtocolError(f"ticket has {len(ticket.block_ids)} blocks, the prompt needs {need}")
         except (ProtocolError, MalformedTicket) as e:
@@ -80,3 +82,6 @@ class PrefillService:
             first_logprob=logprob_to_pb(lp) if lp is not None else None,
             cached_tokens=first.num_cached_tokens, kv_bytes=session.bytes,
         )
+
+    async def close(self) -> None:
+        self.agent.close()

@@ -1,69 +1,35 @@
 """The OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
-Per request: tokenize (chat template), pick the least-loaded healthy decode worker and prefill worker, call
-the decode worker over gRPC naming the prefill worker, detokenize incrementally (stop strings and multi-byte
-characters held back until complete), and answer as JSON or SSE.
+Per request: parse and tokenize (off the event loop), let the gateway route and generate, and answer as JSON or
+SSE. This module imports no engine and no torch: a gateway runs from a slim image and starts in a second.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from splitserve import metrics as m
-from splitserve.engine.model_files import resolve_model
-from splitserve.engine.models.loader import load_arch
-from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from splitserve.protocol import PROTOCOL_VERSION
-from splitserve.protocol import splitserve_pb2 as pb
-from splitserve.protocol.convert import params_to_pb
+from splitserve.common.config import ClusterSpec
+from splitserve.common.membership import Membership
+from splitserve.router import metrics as m
 from splitserve.router.errors import APIError, bad
+from splitserve.router.gateway import Gateway, Piece
 from splitserve.router.openai_protocol import GenerationSpec, parse
-from splitserve.router.pool import WorkerPool
 
 log = logging.getLogger("splitserve.router")
 MAX_BODY = 16 << 20
-
-
-@dataclass
-class RouterConfig:
-    model: str = "smollm2"
-    served_model_name: str | None = None
-    decode: list[str] = field(default_factory=list)
-    prefill: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_inflight: int = 256
-    max_model_len: int | None = None
-    health_interval: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.decode:
-            raise ValueError("decode: at least one decode (or colocated) worker endpoint is required")
-        if self.max_inflight < 1:
-            raise ValueError("max_inflight must be >= 1")
-
-
-@dataclass
-class Piece:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+SESSION_HEADER = "x-session-id"
 
 
 class _TokenClock:
@@ -84,75 +50,12 @@ class _TokenClock:
         self.last = now
 
 
-class Gateway:
-    def __init__(self, cfg: RouterConfig) -> None:
-        self.cfg = cfg
-        model_dir = resolve_model(cfg.model)
-        self.tokenizer = Tokenizer(model_dir)
-        arch = load_arch(model_dir)
-        self.max_model_len = cfg.max_model_len or arch.max_position_embeddings
-        self.model_name = cfg.served_model_name or cfg.model
-        self.pool = WorkerPool(cfg.decode, cfg.prefill, cfg.health_interval)
+class HTTPApi:
+    def __init__(self, spec: ClusterSpec, membership: Membership) -> None:
+        self.spec = spec
+        self.gw = Gateway(spec, membership)
         self.inflight = 0
         self.created = int(time.time())
-
-    # -- generation ----------------------------------------------------------------------------------
-    async def generate(self, spec: GenerationSpec, rid: str) -> AsyncIterator[Piece]:
-        """Pieces of output text; retries on another decode worker if one fails before any token."""
-        tried: set[str] = set()
-        while True:
-            decode = self.pool.pick("decode")
-            if decode is None or decode.endpoint in tried:
-                raise APIError(503, "no healthy decode worker is available", code="no_workers")
-            tried.add(decode.endpoint)
-            prefill = self.pool.pick("prefill")
-            req = pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, request_id=rid,
-                                     prompt_token_ids=spec.prompt_token_ids, params=params_to_pb(spec.params),
-                                     prefill_worker=prefill.endpoint if prefill else "", priority=spec.priority)
-            sent_any = False
-            decode.outstanding += 1
-            if prefill:
-                prefill.outstanding += 1
-            call = decode.stub.Generate(req)
-            try:
-                async for piece in self._pieces(call, spec):
-                    sent_any = True
-                    yield piece
-                return
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise bad(e.details() or "invalid request") from None
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not sent_any:
-                    self.pool.mark_down(decode)
-                    continue
-                raise APIError(503 if not sent_any else 500, f"decode worker failed: {e.details()}",
-                               code="worker_error") from None
-            finally:
-                call.cancel()
-                decode.outstanding -= 1
-                if prefill:
-                    prefill.outstanding -= 1
-
-    async def _pieces(self, call, spec: GenerationSpec) -> AsyncIterator[Piece]:
-        sp = spec.params
-        detok = IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, sp.stop, sp.include_stop_str_in_output)
-        completion = 0
-        async for resp in call:
-            if resp.error and resp.finish_reason == "error":
-                raise APIError(500, f"generation failed: {resp.error}", code="worker_error")
-            before = len(detok.text)
-            for t in resp.token_ids:
-                detok.add(t)
-            completion += len(resp.token_ids)
-            finish = resp.finish_reason if resp.finished else None
-            if detok.check_stop(len(detok.text) - before) is not None:
-                finish = "stop"
-            if finish == "abort":
-                raise APIError(500, "the request was aborted by the worker", code="worker_error")
-            yield Piece(detok.delta(finish is not None), list(resp.token_ids), list(resp.logprobs), finish,
-                        len(spec.prompt_token_ids), completion)
-            if finish is not None:
-                return
 
     # -- HTTP handlers --------------------------------------------------------------------------------
     async def _body(self, request: Request):
@@ -167,10 +70,14 @@ class Gateway:
     async def completions(self, request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         try:
-            spec = parse(await self._body(request), chat, self.tokenizer, self.max_model_len, {self.model_name})
-            if self.inflight >= self.cfg.max_inflight:
+            body = await self._body(request)
+            gw = self.gw
+            spec = await asyncio.to_thread(parse, body, chat, gw.tokenizer, gw.max_model_len, {gw.model_name})
+            if spec.session_key is None:
+                spec.session_key = request.headers.get(SESSION_HEADER)
+            if self.inflight >= self.spec.router.max_inflight:
                 raise APIError(429, "too many requests in flight; retry later", code="queue_full")
-            if self.pool.pick("decode") is None:
+            if not gw.can_serve():
                 raise APIError(503, "no healthy decode worker is available", code="no_workers")
         except APIError as e:
             m.REQUESTS.labels(endpoint, str(e.status)).inc()
@@ -195,7 +102,7 @@ class Gateway:
         text, lps, finish, usage = [], [], None, (len(spec.prompt_token_ids), 0)
         clock = _TokenClock(t0)
         try:
-            async for p in self.generate(spec, rid):
+            async for p in self.gw.generate(spec, rid):
                 clock.tick(p)
                 text.append(p.text)
                 lps.extend(p.logprobs)
@@ -209,7 +116,7 @@ class Gateway:
         m.E2E.observe(time.monotonic() - t0)
         m.GENERATION_TOKENS.inc(usage[1])
         m.REQUESTS.labels(endpoint, "200").inc()
-        body = {"id": rid, "created": int(time.time()), "model": self.model_name,
+        body = {"id": rid, "created": int(time.time()), "model": self.gw.model_name,
                 "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}}
         if spec.chat:
             body["object"] = "chat.completion"
@@ -231,7 +138,7 @@ class Gateway:
         clock = _TokenClock(t0)
 
         def chunk(choice: dict | None, extra: dict | None = None) -> str:
-            body = {"id": rid, "object": obj, "created": created, "model": self.model_name,
+            body = {"id": rid, "object": obj, "created": created, "model": self.gw.model_name,
                     "choices": [choice] if choice is not None else []}
             if extra:
                 body.update(extra)
@@ -241,7 +148,7 @@ class Gateway:
             if spec.chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
-            async for p in self.generate(spec, rid):
+            async for p in self.gw.generate(spec, rid):
                 clock.tick(p)
                 usage = (p.prompt_tokens, p.completion_tokens)
                 if not p.text and p.finish_reason is None:
@@ -267,7 +174,7 @@ class Gateway:
         yield "data: [DONE]\n\n"
 
     def _token_text(self, tid: int) -> str:
-        return self.tokenizer.decode([tid])
+        return self.gw.tokenizer.decode([tid])
 
     def _chat_logprobs(self, lps, spec: GenerationSpec) -> dict:
         content = []
@@ -286,14 +193,15 @@ class Gateway:
                 "text_offset": []}
 
     async def models(self, _: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
+        gw = self.gw
+        return JSONResponse({"object": "list", "data": [{"id": gw.model_name, "object": "model",
                                                           "created": self.created, "owned_by": "splitserve",
-                                                          "max_model_len": self.max_model_len}]})
+                                                          "max_model_len": gw.max_model_len}]})
 
     async def health(self, _: Request) -> Response:
-        workers = [{"endpoint": w.endpoint, "role": w.role, "healthy": w.healthy, "outstanding": w.outstanding}
-                   for w in self.pool.workers]
-        ok = self.pool.pick("decode") is not None
+        workers = [{"name": w.info.name, "endpoint": w.endpoint, "role": w.info.role, "healthy": w.load.healthy,
+                    "draining": w.load.draining, "outstanding": w.load.outstanding} for w in self.gw.workers.workers]
+        ok = self.gw.can_serve()
         body = {"status": "ok" if ok else "unavailable", "all_healthy": all(w["healthy"] for w in workers),
                 "workers": workers}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -302,8 +210,8 @@ class Gateway:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-def build_app(cfg: RouterConfig) -> Starlette:
-    gw = Gateway(cfg)
+def build_app(spec: ClusterSpec, membership: Membership) -> Starlette:
+    gw = HTTPApi(spec, membership)
 
     async def chat(request: Request) -> Response:
         return await gw.completions(request, chat=True)
@@ -313,10 +221,9 @@ def build_app(cfg: RouterConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette):
-        gw.pool.start()
-        await gw.pool.check_all()
+        await gw.gw.workers.start()
         yield
-        await gw.pool.close()
+        await gw.gw.workers.close()
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
@@ -343,10 +250,10 @@ def build_app(cfg: RouterConfig) -> Starlette:
     return app
 
 
-async def serve(cfg: RouterConfig) -> None:
+async def serve(spec: ClusterSpec, membership: Membership, host: str) -> None:
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(build_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(build_app(spec, membership), host=host, port=spec.router.port,
+                                           log_level="warning", access_log=False, timeout_graceful_shutdown=5))
     await server.serve()
 

@@ -7,10 +7,10 @@ is silently ignored, except `user` and `metadata`, which carry no behaviour.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.common.sampling import SamplingParams
 from splitserve.router.errors import APIError, bad
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
@@ -34,7 +34,7 @@ class GenerationSpec:
     logprobs: bool = False
     top_logprobs: int = 0
     priority: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    session_key: str | None = None  # the OpenAI `user` field or the session header: routing affinity
 
 
 def _num(body: dict, name: str, lo: float, hi: float, default: float) -> float:
@@ -205,7 +205,11 @@ def parse(body: Any, chat: bool, tokenizer, max_model_len: int, model_names: set
         prompt = completion_prompt(body, tokenizer)
     params, top = sampling(body, len(prompt), max_model_len, chat)
     priority = _int(body, "priority", -1000, 1000, 0)
-    return GenerationSpec(prompt, params, stream, include_usage, chat, params.logprobs is not None, top, priority)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("'user' must be a string", "user")
+    return GenerationSpec(prompt, params, stream, include_usage, chat, params.logprobs is not None, top, priority,
+                          user or None)
 
 
 def completion_prompt(body: dict, tokenizer) -> list[int]:

@@ -1,77 +1,131 @@
-"""The `splitserve` command line."""
+"""The `splitserve` command line: the top layer (nothing imports it).
+
+Commands that run part of a cluster (`up`, `worker`, `prefill`, `decode`, `router`) read one SplitServeCluster
+document (`-f FILE`, or the defaults) and take flags generated from the configuration model; a flag overrides
+the file. Every user error is one line on stderr and exit code 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from typing import Any
 
-import typer
+import click
 
-from splitserve.logs import setup_logging
-
-app = typer.Typer(help="splitserve: disaggregated prefill/decode LLM serving.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, add_completion=False)
+from splitserve.cli_options import config_command, flag
+from splitserve.common.config import ClusterResource
+from splitserve.common.logs import setup_logging
 
 
 def fail(message: str, code: int = 2) -> None:
     """One clear line on stderr, then exit (never a traceback for user errors)."""
-    typer.echo(f"splitserve: error: {message}", err=True)
-    raise typer.Exit(code)
+    click.echo(f"splitserve: error: {message}", err=True)
+    sys.exit(code)
 
 
+class Group(click.Group):
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
+        except click.UsageError as e:  # a bad flag or file: one line
+            fail(e.format_message().replace("\n", " "))
+        except click.exceptions.Abort:
+            sys.exit(130)
+        except click.ClickException as e:
+            fail(e.format_message())
+
+
+@click.group(cls=Group, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
+             help="splitserve: disaggregated prefill/decode LLM serving.")
+def app() -> None:
+    pass
+
+
+# -- model files ------------------------------------------------------------------------------------------
 @app.command("fetch-model")
-def fetch_model(name: Annotated[str, typer.Argument(help="embedded model name")] = "smollm2") -> None:
-    """Download and convert an embedded model into ~/.cache/splitserve (once)."""
+@click.argument("name", default="smollm2")
+def fetch_model(name: str) -> None:
+    """Download and convert a model into ~/.cache/splitserve (once): `smollm2` or a .gguf file."""
     setup_logging()
-    from splitserve.engine.model_files import ModelNotFoundError, fetch_embedded
+    from splitserve.common.model_files import EMBEDDED, ModelNotFoundError
+    from splitserve.engine.model_files import fetch_embedded, prepare_model
 
     try:
-        path = fetch_embedded(name)
+        path = fetch_embedded(name) if name in EMBEDDED else prepare_model(name)
     except ModelNotFoundError as e:
         fail(str(e))
-    typer.echo(str(path))
+    click.echo(str(path))
+
+
+def _prepare(resource: ClusterResource) -> None:
+    """Fail early, in one line, when the model's files are missing (converting a GGUF once here)."""
+    from splitserve.common.model_files import ModelNotFoundError
+    from splitserve.engine.model_files import prepare_model
+
+    model = resource.spec.model
+    try:
+        prepare_model(model.name, need_weights=model.load_format != "dummy")
+        if model.tokenizer:
+            prepare_model(model.tokenizer, need_weights=False)
+    except ModelNotFoundError as e:
+        fail(str(e))
+
+
+# -- the engine offline -----------------------------------------------------------------------------------
+ENGINE_FLAGS = [
+    flag("model", "model.name"),
+    flag("dtype", "model.dtype"),
+    flag("device", "model.device"),
+    flag("max-model-len", "model.max_model_len"),
+    flag("block-size", "model.block_size"),
+    flag("tensor-parallel-size", "model.tensor_parallel_size"),
+    flag("expert-parallel", "model.expert_parallel"),
+    flag("kv-cache-memory", "prefill.engine.kv_cache_memory", "decode.engine.kv_cache_memory"),
+    flag("max-num-seqs", "prefill.engine.max_num_seqs", "decode.engine.max_num_seqs"),
+    flag("max-num-batched-tokens", "prefill.engine.max_num_batched_tokens", "decode.engine.max_num_batched_tokens"),
+    flag("threads", "prefill.engine.threads", "decode.engine.threads"),
+]
 
 
 @app.command()
-def generate(
-    prompt: Annotated[str, typer.Option(help="prompt text")],
-    model: Annotated[str, typer.Option(help="smollm2, a Hugging Face model directory, or a .gguf file")] = "smollm2",
-    chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
-    max_tokens: Annotated[int, typer.Option(help="tokens to generate")] = 64,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 1.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
-    seed: Annotated[int | None, typer.Option(help="per-request seed (same seed, same output)")] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="stop string (repeatable)")] = None,
-    ignore_eos: Annotated[bool, typer.Option(help="keep generating past end-of-sequence")] = False,
-    dtype: Annotated[str, typer.Option(help="auto, float32 or bfloat16")] = "auto",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
-    kv_cache_memory: Annotated[str, typer.Option(help="bytes (e.g. 512MiB) or a fraction of free memory")] = "auto",
-    block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
-    tensor_parallel_size: Annotated[int, typer.Option(help="GPUs sharing each layer, one process each")] = 1,
-    expert_parallel: Annotated[bool, typer.Option(help="MoE: spread experts over the tensor-parallel GPUs")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object with token_ids and text")] = False,
-) -> None:
+@click.option("--prompt", required=True, help="prompt text")
+@click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
+@click.option("--max-tokens", type=int, default=64, help="tokens to generate")
+@click.option("--temperature", type=float, default=1.0, help="0 = greedy")
+@click.option("--top-p", type=float, default=1.0)
+@click.option("--top-k", type=int, default=0, help="0 = off")
+@click.option("--seed", type=int, default=None, help="per-request seed (same seed, same output)")
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--ignore-eos/--no-ignore-eos", default=False, help="keep generating past end-of-sequence")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object with token_ids and text")
+@config_command(ENGINE_FLAGS)
+def generate(resource: ClusterResource, prompt: str, chat: bool, max_tokens: int, temperature: float, top_p: float,
+             top_k: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, as_json: bool) -> None:
     """Run the engine offline on one prompt."""
     setup_logging("warning" if as_json else None)
-    from splitserve.engine import CacheConfig, EngineConfig, ModelConfig, SamplingParams
-    from splitserve.engine.config import ParallelConfig
+    _prepare(resource)
+    from splitserve.common.model_files import ModelNotFoundError
+    from splitserve.common.sampling import SamplingParams
+    from splitserve.engine.config import engine_config
     from splitserve.engine.llm_engine import LLMEngine
-    from splitserve.engine.model_files import ModelNotFoundError
 
+    spec = resource.spec
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                stop=list(stop or []), ignore_eos=ignore_eos)
-        config = EngineConfig(model=ModelConfig(model, dtype=dtype, device=device),
-                              cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
-                              parallel=ParallelConfig(tensor_parallel_size, expert_parallel))
-        engine = LLMEngine(config)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=list(stop), ignore_eos=ignore_eos)
+        engine = LLMEngine(engine_config(spec.model, spec.decode.engine))
         try:
             if engine.tokenizer is None:
-                fail(f"{model} has no tokenizer files; generate needs text input")
+                fail(f"{spec.model.name} has no tokenizer files; generate needs text input")
             tok = engine.tokenizer
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+            if len(ids) + max_tokens > engine.max_model_len:
+                fail(f"--max-tokens: the prompt ({len(ids)} tokens) plus {max_tokens} exceeds the context length "
+                     f"{engine.max_model_len}")
             result = engine.generate([ids], params)[0]
         finally:
             engine.close()
@@ -85,156 +139,160 @@ def generate(
             "prompt_tokens": len(ids),
         }) + "\n")
     else:
-        typer.echo(result["text"])
+        click.echo(result["text"])
 
 
-def _split(value: str | None) -> list[str]:
-    return [v.strip() for v in (value or "").split(",") if v.strip()]
+# -- workers ----------------------------------------------------------------------------------------------
+WORKER_FLAGS = ENGINE_FLAGS + [
+    flag("served-model-name", "model.served_model_name"),
+    flag("load-format", "model.load_format"),
+    flag("tokenizer", "model.tokenizer"),
+    flag("port", "prefill.port", "decode.port", help="gRPC port of this worker"),
+    flag("metrics-port", "prefill.metrics_port", "decode.metrics_port",
+         help="HTTP port of this worker: /metrics, /healthz, /readyz, /stats"),
+    flag("kv-transport", "kv_transfer.backend"),
+    flag("transfer-timeout", "kv_transfer.timeout_seconds"),
+    flag("prefill-peers", "membership.prefill", help="decode role: prefill workers host:port,... (no registry)"),
+    flag("disagg-threshold", "decode.disagg_threshold"),
+    flag("drain-seconds", "prefill.drain_seconds", "decode.drain_seconds"),
+]
 
 
-def _worker(**opts) -> None:
-    """Run a worker; `opts` are WorkerConfig's fields (prefill_peers as one comma list)."""
+def _worker(resource: ClusterResource, role: str, host: str) -> None:
     import asyncio
 
-    from splitserve.engine.model_files import ModelNotFoundError, resolve_model
-    from splitserve.worker import WorkerConfig, serve
+    from splitserve.worker import serve
 
     setup_logging()
+    _prepare(resource)
     try:
-        resolve_model(opts["model"])
-        cfg = WorkerConfig(**{**opts, "prefill_peers": _split(opts["prefill_peers"])})
-    except (ModelNotFoundError, ValueError) as e:
-        fail(str(e))
-    asyncio.run(serve(cfg))
+        asyncio.run(serve(resource, role, host))
+    except KeyboardInterrupt:
+        pass
 
 
-_M = typer.Option(help="smollm2, a Hugging Face model directory, or a .gguf file")
-_ROLE = typer.Option(help="prefill, decode or both (colocated); `splitserve prefill`/`decode` fix it")
+def _worker_command(name: str, fixed_role: str | None, help_text: str) -> None:
+    @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
+    @config_command(WORKER_FLAGS)
+    def command(resource: ClusterResource, host: str, role: str | None = None) -> None:
+        _worker(resource, fixed_role or role or "both", host)
+
+    command.__doc__ = help_text
+    if fixed_role is None:
+        command = click.option("--role", type=click.Choice(["prefill", "decode", "both"]), default="both",
+                               show_default=True, help="prefill, decode, or both (colocated)")(command)
+    app.command(name, help=help_text)(command)
 
 
-def _worker_command(fixed_role: str | None, default_port: int):
-    """One option set for `prefill`, `decode` (role fixed) and `worker` (role chosen with --role)."""
-
-    def command(
-        role: Annotated[str, _ROLE] = fixed_role or "both",
-        model: Annotated[str, _M] = "smollm2",
-        host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="gRPC port")] = default_port,
-        metrics_port: Annotated[int, typer.Option(help="HTTP port for /metrics, /healthz, /readyz (0: off)")] = 0,
-        kv_transport: Annotated[str, typer.Option(help="auto, nixl or tcp")] = "auto",
-        kv_cache_memory: Annotated[str, typer.Option(help="bytes (e.g. 1GiB) or a fraction of free memory")] = "auto",
-        block_size: Annotated[int, typer.Option()] = 16,
-        max_num_seqs: Annotated[int, typer.Option()] = 128,
-        max_num_batched_tokens: Annotated[int, typer.Option()] = 2048,
-        max_model_len: Annotated[int | None, typer.Option()] = None,
-        dtype: Annotated[str, typer.Option(help="auto, float32 or bfloat16")] = "auto",
-        device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
-        prefill_peers: Annotated[str | None, typer.Option(help="decode role: prefill workers host:port,...")] = None,
-        disagg_threshold: Annotated[int, typer.Option(help="uncached prompt tokens below which decode prefills locally")] = 512,
-        transfer_timeout: Annotated[float, typer.Option(help="seconds a KV transfer may take")] = 30.0,
-        threads: Annotated[int, typer.Option(help="torch threads (0: default)")] = 0,
-        served_model_name: Annotated[str | None, typer.Option()] = None,
-        tensor_parallel_size: Annotated[int, typer.Option(help="GPUs sharing each layer, one process each")] = 1,
-        expert_parallel: Annotated[bool, typer.Option(help="MoE: spread experts over the tensor-parallel GPUs")] = False,
-    ) -> None:
-        if fixed_role is not None and role != fixed_role:
-            fail(f"`splitserve {fixed_role}` always runs the {fixed_role} role; use `splitserve worker --role {role}`")
-        _worker(role=role, model=model, host=host, port=port, metrics_port=metrics_port, kv_transport=kv_transport,
-                kv_cache_memory=kv_cache_memory, block_size=block_size, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dtype=dtype,
-                device=device, prefill_peers=prefill_peers, disagg_threshold=disagg_threshold,
-                transfer_timeout=transfer_timeout, threads=threads, served_model_name=served_model_name,
-                tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel)
-
-    return command
+_worker_command("worker", None, "Run a worker of any role (`--role both` is the colocated baseline).")
+_worker_command("prefill", "prefill", "Run a prefill worker (computes prompts, streams their KV out).")
+_worker_command("decode", "decode", "Run a decode worker (KV streamed in from prefill workers; local fallback).")
 
 
-app.command("prefill", help="Run a prefill worker (computes prompts, streams their KV out).")(
-    _worker_command("prefill", 50061))
-app.command("decode", help="Run a decode worker (KV streamed in from prefill workers; local fallback).")(
-    _worker_command("decode", 50051))
-app.command("worker", help="Run a worker of any role (`--role both` is the colocated baseline).")(
-    _worker_command(None, 50051))
+# -- the gateway ------------------------------------------------------------------------------------------
+ROUTER_FLAGS = [
+    flag("model", "model.name"),
+    flag("served-model-name", "model.served_model_name"),
+    flag("tokenizer", "model.tokenizer"),
+    flag("max-model-len", "model.max_model_len"),
+    flag("block-size", "model.block_size"),
+    flag("decode", "membership.decode", help="decode (or colocated) workers host:port,... (no registry)"),
+    flag("prefill", "membership.prefill", help="prefill workers host:port,... (no registry)"),
+    flag("mode", "mode"),
+    flag("port", "router.port"),
+    flag("routing", "router.policy"),
+    flag("max-inflight", "router.max_inflight"),
+]
 
 
 @app.command("router")
-def router(
-    decode: Annotated[str, typer.Option(help="decode (or colocated) workers host:port,...")],
-    prefill: Annotated[str | None, typer.Option(help="prefill workers host:port,...")] = None,
-    model: Annotated[str, _M] = "smollm2",
-    served_model_name: Annotated[str | None, typer.Option()] = None,
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
-    max_inflight: Annotated[int, typer.Option(help="requests in flight before 429")] = 256,
-) -> None:
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
+@config_command(ROUTER_FLAGS)
+def router(resource: ClusterResource, host: str) -> None:
     """Run the OpenAI-compatible gateway."""
     import asyncio
 
-    from splitserve.engine.model_files import ModelNotFoundError
-    from splitserve.router.app import RouterConfig, serve
+    from splitserve.common.membership import StaticMembership
+    from splitserve.common.model_files import ModelNotFoundError
+    from splitserve.router.app import serve
 
     setup_logging()
+    spec = resource.spec
+    if not spec.membership.decode:
+        fail("--decode: at least one decode (or colocated) worker endpoint is required")
+    decode_role = "both" if spec.mode == "colocated" else "decode"
+    membership = StaticMembership(spec.membership.prefill, spec.membership.decode, decode_role)
     try:
-        cfg = RouterConfig(model=model, served_model_name=served_model_name, decode=_split(decode),
-                           prefill=_split(prefill), host=host, port=port, max_inflight=max_inflight)
-        from splitserve.engine.model_files import resolve_model
-
-        resolve_model(model)
-    except (ModelNotFoundError, ValueError) as e:
+        asyncio.run(serve(spec, membership, host))
+    except ModelNotFoundError as e:
         fail(str(e))
-    asyncio.run(serve(cfg))
+    except KeyboardInterrupt:
+        pass
+
+
+# -- a whole cluster on this machine ----------------------------------------------------------------------
+UP_FLAGS = [
+    flag("model", "model.name"),
+    flag("served-model-name", "model.served_model_name"),
+    flag("mode", "mode"),
+    flag("prefill", "prefill.replicas", help="prefill workers (disaggregated mode)"),
+    flag("decode", "decode.replicas", help="decode workers (or colocated workers)"),
+    flag("port", "router.port", help="gateway port"),
+    flag("routing", "router.policy"),
+    flag("kv-transport", "kv_transfer.backend"),
+    flag("disagg-threshold", "decode.disagg_threshold"),
+    flag("kv-cache-memory", "prefill.engine.kv_cache_memory", "decode.engine.kv_cache_memory"),
+]
 
 
 @app.command("up")
-def up(
-    port: Annotated[int, typer.Option(help="gateway port")] = 8000,
-    prefill: Annotated[int, typer.Option(help="prefill workers (disaggregated mode)")] = 1,
-    decode: Annotated[int, typer.Option(help="decode workers (or colocated workers)")] = 1,
-    mode: Annotated[str, typer.Option(help="disaggregated or colocated")] = "disaggregated",
-    model: Annotated[str, _M] = "smollm2",
-    kv_transport: Annotated[str, typer.Option(help="auto, nixl or tcp")] = "auto",
-    disagg_threshold: Annotated[int, typer.Option(help="uncached prompt tokens below which decode prefills locally")] = 512,
-    kv_cache_memory: Annotated[str, typer.Option()] = "auto",
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
-    served_model_name: Annotated[str, typer.Option()] = "smollm2",
-) -> None:
+@click.option("--host", default="127.0.0.1", show_default=True, help="address every process binds")
+@config_command(UP_FLAGS, file_option="--file")
+def up(resource: ClusterResource, host: str) -> None:
     """Start the gateway plus prefill and decode workers as local processes; Ctrl-C stops them all."""
-    from splitserve.engine.model_files import ModelNotFoundError, resolve_model
-    from splitserve.launcher import LaunchConfig, run
+    from splitserve.launcher import run
 
     setup_logging()
-    try:
-        resolve_model(model)
-        cfg = LaunchConfig(port=port, num_prefill=prefill, num_decode=decode, mode=mode, model=model, host=host,
-                           kv_transport=kv_transport, disagg_threshold=disagg_threshold,
-                           kv_cache_memory=kv_cache_memory, served_model_name=served_model_name)
-    except (ModelNotFoundError, ValueError) as e:
-        fail(str(e))
-    raise typer.Exit(run(cfg))
+    _prepare(resource)
+    sys.exit(run(resource, host))
 
 
+# -- configuration ----------------------------------------------------------------------------------------
+@app.command("schema")
+def schema() -> None:
+    """Print the JSON Schema of a SplitServeCluster document (its `spec` is the configuration model)."""
+    from splitserve.common.config_file import schema_json
+
+    click.echo(schema_json())
+
+
+# -- load testing -----------------------------------------------------------------------------------------
 @app.command("bench")
-def bench(
-    url: Annotated[str, typer.Option(help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")],
-    model: Annotated[str, typer.Option(help="model name to request")] = "smollm2",
-    num_requests: Annotated[int, typer.Option(help="requests to send")] = 32,
-    rate: Annotated[float, typer.Option(help="Poisson arrival rate, requests/s (0: all at once)")] = 1.0,
-    trace: Annotated[str | None, typer.Option(help="replay a trace: Mooncake .jsonl or Azure .csv")] = None,
-    time_scale: Annotated[float, typer.Option(help="multiply trace inter-arrival times by this")] = 1.0,
-    input_len: Annotated[int, typer.Option(help="prompt tokens (Poisson mode)")] = 256,
-    output_len: Annotated[int, typer.Option(help="output tokens (Poisson mode)")] = 32,
-    max_input_len: Annotated[int, typer.Option(help="clip trace prompt lengths")] = 4096,
-    max_output_len: Annotated[int, typer.Option(help="clip trace output lengths")] = 512,
-    vocab_low: Annotated[int, typer.Option(help="lowest token id used in synthetic prompts")] = 1000,
-    vocab_high: Annotated[int, typer.Option(help="highest token id (exclusive) in synthetic prompts")] = 30000,
-    slo_ttft: Annotated[float, typer.Option(help="TTFT SLO in seconds (goodput)")] = 2.0,
-    slo_itl: Annotated[float, typer.Option(help="p99 inter-token latency SLO per request, seconds")] = 0.2,
-    timeout: Annotated[float, typer.Option(help="per-request timeout, seconds")] = 600.0,
-    seed: Annotated[int, typer.Option()] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="end with one JSON line")] = False,
-    plot_path: Annotated[str | None, typer.Option("--plot", help="write latency CDFs to this PNG")] = None,
-    progress: Annotated[bool, typer.Option(help="progress bar on stderr")] = True,
-) -> None:
+@click.option("--url", required=True, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+@click.option("--model", default="smollm2", show_default=True, help="model name to request")
+@click.option("--num-requests", type=int, default=32, show_default=True, help="requests to send")
+@click.option("--rate", type=float, default=1.0, show_default=True, help="Poisson arrival rate, requests/s (0: all at once)")
+@click.option("--trace", default=None, help="replay a trace: Mooncake .jsonl or Azure .csv")
+@click.option("--time-scale", type=float, default=1.0, show_default=True, help="multiply trace inter-arrival times by this")
+@click.option("--input-len", type=int, default=256, show_default=True, help="prompt tokens (Poisson mode)")
+@click.option("--output-len", type=int, default=32, show_default=True, help="output tokens (Poisson mode)")
+@click.option("--max-input-len", type=int, default=4096, show_default=True, help="clip trace prompt lengths")
+@click.option("--max-output-len", type=int, default=512, show_default=True, help="clip trace output lengths")
+@click.option("--vocab-low", type=int, default=1000, show_default=True, help="lowest token id used in synthetic prompts")
+@click.option("--vocab-high", type=int, default=30000, show_default=True,
+              help="highest token id (exclusive) in synthetic prompts")
+@click.option("--slo-ttft", type=float, default=2.0, show_default=True, help="TTFT SLO in seconds (goodput)")
+@click.option("--slo-itl", type=float, default=0.2, show_default=True,
+              help="p99 inter-token latency SLO per request, seconds")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="per-request timeout, seconds")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="end with one JSON line")
+@click.option("--plot", "plot_path", default=None, help="write latency CDFs to this PNG")
+@click.option("--progress/--no-progress", default=True, help="progress bar on stderr")
+def bench(url: str, model: str, num_requests: int, rate: float, trace: str | None, time_scale: float,
+          input_len: int, output_len: int, max_input_len: int, max_output_len: int, vocab_low: int, vocab_high: int,
+          slo_ttft: float, slo_itl: float, timeout: float, seed: int, as_json: bool, plot_path: str | None,
+          progress: bool) -> None:
     """Load-test an OpenAI-compatible URL (Poisson arrivals or a trace replay)."""
     import asyncio
 
@@ -256,7 +314,7 @@ def bench(
         try:
             b.plot(results, plot_path)
         except RuntimeError as e:  # report, but keep the results (and the JSON line) coming
-            typer.echo(f"splitserve: error: {e}", err=True)
+            click.echo(f"splitserve: error: {e}", err=True)
     if as_json:
         print(json.dumps(summary))
 

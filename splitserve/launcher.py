@@ -1,110 +1,78 @@
-"""`splitserve up`: the gateway plus prefill and decode workers as local processes on this machine.
+"""`splitserve up`: a SplitServeCluster as local processes on this machine (the gateway, prefill and decode
+workers), from the same document the operator runs on Kubernetes.
 
-Waits until every component is ready, prints the URL (a line containing `ready`) and a curl example, and on
-Ctrl-C or SIGTERM stops everything. Children die with the launcher even if it is killed (PR_SET_PDEATHSIG).
+The launcher picks free ports, writes the effective document (with the static membership it implies) to a
+file that every child reads with `--config`, waits until every component is ready, prints the URL (a line
+containing `ready`) and a curl example, and on Ctrl-C or SIGTERM stops everything. Children die with the
+launcher even if it is killed (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.common.config import ClusterResource
+from splitserve.common.config_file import dump
+from splitserve.common.proc import die_with_parent, free_port
 
 log = logging.getLogger("splitserve.launcher")
-
-
-@dataclass
-class LaunchConfig:
-    port: int = 8000
-    num_prefill: int = 1
-    num_decode: int = 1
-    mode: str = "disaggregated"
-    model: str = "smollm2"
-    host: str = "127.0.0.1"
-    kv_transport: str = "auto"
-    disagg_threshold: int = 512
-    kv_cache_memory: str = "auto"
-    served_model_name: str = "smollm2"
-    ready_timeout: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("disaggregated", "colocated"):
-            raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
-        if self.num_decode < 1:
-            raise ValueError("decode: at least one worker")
-        if self.mode == "disaggregated" and self.num_prefill < 1:
-            raise ValueError("prefill: disaggregated mode needs at least one prefill worker")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1-65535, got {self.port}")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def die_with_parent() -> None:
-    """preexec_fn for children: SIGTERM when the parent dies (Linux)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+READY_TIMEOUT_S = 600.0
 
 
 class Launcher:
-    def __init__(self, cfg: LaunchConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, resource: ClusterResource, host: str) -> None:
+        self.resource = resource.model_copy(deep=True)
+        self.host = host
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._reported: set[str] = set()
-        self.components: dict = {"router": f"http://{cfg.host}:{cfg.port}", "prefill": [], "decode": []}
+        spec = self.resource.spec
+        self.components: dict = {"router": f"http://{host}:{spec.router.port}", "prefill": [], "decode": []}
+        self._dir = tempfile.TemporaryDirectory(prefix="splitserve-")
+        self.config_path = Path(self._dir.name) / "cluster.yaml"
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "splitserve.cli", *args]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
         self.procs.append((name, proc))
+        return proc
+
+    def plan(self) -> list[tuple[str, str, int, int]]:
+        """(name, role, gRPC port, metrics port) of every worker, and the static membership in the document."""
+        spec = self.resource.spec
+        colocated = spec.mode == "colocated"
+        workers = []
+        if not colocated:
+            workers += [(f"prefill-{i}", "prefill") for i in range(spec.prefill.replicas)]
+        workers += [(f"decode-{i}", "both" if colocated else "decode") for i in range(spec.decode.replicas)]
+        planned = [(name, role, free_port(self.host), free_port(self.host)) for name, role in workers]
+        spec.membership.prefill = [f"{self.host}:{p}" for _, role, p, _ in planned if role == "prefill"]
+        spec.membership.decode = [f"{self.host}:{p}" for _, role, p, _ in planned if role != "prefill"]
+        threads = max(1, (os.cpu_count() or 1) // len(planned))
+        for role in (spec.prefill, spec.decode):
+            if not role.engine.threads:
+                role.engine.threads = threads
+        return planned
 
     def start(self) -> None:
-        cfg = self.cfg
-        colocated = cfg.mode == "colocated"
-        n_workers = cfg.num_decode + (0 if colocated else cfg.num_prefill)
-        threads = max(1, (os.cpu_count() or 1) // n_workers)
-        common = ["--model", cfg.model, "--host", cfg.host, "--kv-cache-memory", cfg.kv_cache_memory,
-                  "--threads", str(threads), "--served-model-name", cfg.served_model_name]
-        prefill_eps = []
-        if not colocated:
-            for i in range(cfg.num_prefill):
-                port, mport = free_port(cfg.host), free_port(cfg.host)
-                ep = f"{cfg.host}:{port}"
-                prefill_eps.append(ep)
-                self.components["prefill"].append({"grpc": ep, "metrics": f"http://{cfg.host}:{mport}"})
-                self._spawn(f"prefill-{i}", ["prefill", "--port", str(port), "--metrics-port", str(mport),
-                                             "--kv-transport", cfg.kv_transport, *common])
-        decode_eps = []
-        for i in range(cfg.num_decode):
-            port, mport = free_port(cfg.host), free_port(cfg.host)
-            ep = f"{cfg.host}:{port}"
-            decode_eps.append(ep)
-            self.components["decode"].append({"grpc": ep, "metrics": f"http://{cfg.host}:{mport}"})
-            if colocated:
-                args = ["worker", "--role", "both", "--port", str(port), "--metrics-port", str(mport), *common]
-            else:
-                args = ["decode", "--port", str(port), "--metrics-port", str(mport), "--kv-transport", cfg.kv_transport,
-                        "--prefill-peers", ",".join(prefill_eps), "--disagg-threshold", str(cfg.disagg_threshold),
-                        *common]
-            self._spawn(f"decode-{i}", args)
-        router_args = ["router", "--decode", ",".join(decode_eps), "--port", str(cfg.port), "--host", cfg.host,
-                       "--model", cfg.model, "--served-model-name", cfg.served_model_name]
-        if prefill_eps:
-            router_args += ["--prefill", ",".join(prefill_eps)]
-        self._spawn("router", router_args)
+        planned = self.plan()
+        self.config_path.write_text(dump(self.resource))
+        config = ["--config", str(self.config_path), "--host", self.host]
+        for name, role, port, mport in planned:
+            proc = self._spawn(name, ["worker", "--role", role, "--port", str(port), "--metrics-port", str(mport),
+                                      *config])
+            key = "prefill" if role == "prefill" else "decode"
+            self.components[key].append({"grpc": f"{self.host}:{port}", "metrics": f"http://{self.host}:{mport}",
+                                         "pid": proc.pid})
+        self._spawn("router", ["router", *config])
 
     def dead(self, fatal_only: bool = False) -> str | None:
         """A component that exited; with fatal_only, only the router or the last decode worker counts (the
@@ -121,8 +89,8 @@ class Launcher:
         return None
 
     def wait_ready(self, stop: list[bool]) -> bool:
-        url = f"http://{self.cfg.host}:{self.cfg.port}/health"
-        deadline = time.monotonic() + self.cfg.ready_timeout
+        url = f"{self.components['router']}/health"
+        deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not stop[0]:
             problem = self.dead()
             if problem:
@@ -132,13 +100,11 @@ class Launcher:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if json.loads(r.read()).get("all_healthy"):
                         return True
-            except OSError:
-                pass
-            except ValueError:
+            except (OSError, ValueError):
                 pass
             time.sleep(0.5)
         if not stop[0]:
-            log.error("startup timed out after %.0f s", self.cfg.ready_timeout)
+            log.error("startup timed out after %.0f s", READY_TIMEOUT_S)
         return False
 
     def stop(self) -> None:
@@ -152,10 +118,11 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        self._dir.cleanup()
 
 
-def run(cfg: LaunchConfig) -> int:
-    launcher = Launcher(cfg)
+def run(resource: ClusterResource, host: str) -> int:
+    launcher = Launcher(resource, host)
     stop = [False]
 
     def on_signal(signum, frame) -> None:
@@ -165,16 +132,18 @@ def run(cfg: LaunchConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     launcher.start()
     code = 0
+    spec = launcher.resource.spec
     try:
         if not launcher.wait_ready(stop):
             return 0 if stop[0] else 1
-        base = f"http://{cfg.host}:{cfg.port}"
-        n_pre = 0 if cfg.mode == "colocated" else cfg.num_prefill
-        print(f"splitserve ready: {base}/v1 (model {cfg.served_model_name}, {cfg.mode}: {n_pre} prefill + "
-              f"{cfg.num_decode} decode)", flush=True)
+        base = launcher.components["router"]
+        n_pre = 0 if spec.mode == "colocated" else spec.prefill.replicas
+        name = spec.model.served_name
+        print(f"splitserve ready: {base}/v1 (model {name}, {spec.mode}: {n_pre} prefill + "
+              f"{spec.decode.replicas} decode)", flush=True)
         print(f"splitserve components {json.dumps(launcher.components)}", flush=True)
         print(f"try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d "
-              f"'{{\"model\": \"{cfg.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+              f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
               flush=True)
         while not stop[0]:
             problem = launcher.dead(fatal_only=True)

@@ -13,9 +13,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from splitserve.engine.model_files import resolve_model
+    from splitserve.engine.model_files import prepare_model
 
-    return resolve_model("smollm2")
+    return prepare_model("smollm2")
 
 
 def _save_random(config, path: Path, seed: int = 0, std: float = 0.08, head_std: float | None = None) -> Path:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from helpers import greedy, make_engine
 
+from splitserve.common.text import IncrementalDetokenizer
 from splitserve.engine.async_engine import AsyncEngine
 
 
@@ -23,9 +24,11 @@ def test_concurrent_streams_match_offline(aengine):
 
     async def one(i, p):
         ids, text = [], ""
+        detok = IncrementalDetokenizer(tok, p)
         async for out in aengine.generate(f"s{i}", p, greedy(12, ignore_eos=True)):
             ids += out.new_token_ids
-            text += out.new_text
+            detok.add_tokens(out.new_token_ids)
+            text += detok.delta(out.finished)
         return ids, text
 
     async def main():

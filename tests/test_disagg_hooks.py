@@ -24,7 +24,7 @@ class RecordingHook:
 def test_layer_hook_fires_once_per_layer_in_order(smollm2_dir):
     engine = make_engine(smollm2_dir, budget=32)
     hook = RecordingHook()
-    engine.kv_hook = hook
+    engine.add_layer_hook(hook)
     prompt = engine.tokenizer.encode("word " * 50)
     engine.generate([prompt], greedy(1))
     steps = [i for i, c in enumerate(hook.calls) if c[0] == "begin"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from splitserve.engine.hashing import hash_block_tokens, hash_token_blocks
+from splitserve.common.hashing import hash_block_tokens, hash_token_blocks
 
 
 def test_hash_is_identical_in_another_process():

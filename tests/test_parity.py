@@ -27,7 +27,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smol_prompts(smollm2_dir):
-    from splitserve.engine.tokenizer import Tokenizer
+    from splitserve.common.text import Tokenizer
 
     tok = Tokenizer(smollm2_dir)
     return [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from splitserve.common.sampling import SamplingParams
 from splitserve.engine.config import CacheConfig, SchedulerConfig
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SampledToken, Scheduler
 
 

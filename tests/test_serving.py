@@ -230,9 +230,7 @@ def test_prefill_worker_killed_mid_flight_every_request_completes():
     up = Up("--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--disagg-threshold", "32",
             "--kv-transport", "tcp")
     try:
-        port = up.components["prefill"][0]["grpc"].rsplit(":", 1)[1]
-        pid = int(subprocess.run(["pgrep", "-f", f"splitserve.cli prefill --port {port}"], capture_output=True,
-                                 text=True).stdout.split()[0])
+        pid = up.components["prefill"][0]["pid"]
 
         async def one(c, i):
             q = f"{QUESTIONS[i % len(QUESTIONS)]} Answer number {i}."

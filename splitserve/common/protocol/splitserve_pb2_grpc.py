@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from splitserve.protocol import splitserve_pb2 as splitserve_dot_protocol_dot_splitserve__pb2
+from splitserve.common.protocol import splitserve_pb2 as splitserve_dot_common_dot_protocol_dot_splitserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in splitserve/protocol/splitserve_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/common/protocol/splitserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class WorkerStub:
         """
         self.Generate = channel.unary_stream(
                 '/splitserve.v1.Worker/Generate',
-                request_serializer=splitserve_dot_protocol_dot_splitserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.GenerateResponse.FromString,
+                request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/splitserve.v1.Worker/Prefill',
-                request_serializer=splitserve_dot_protocol_dot_splitserve__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.PrefillResponse.FromString,
+                request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Worker/Abort',
-                request_serializer=splitserve_dot_protocol_dot_splitserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.AbortResponse.FromString,
+                request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/splitserve.v1.Worker/Health',
-                request_serializer=splitserve_dot_protocol_dot_splitserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.HealthResponse.FromString,
+                request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.HealthRequest.SerializeToString,
+                response_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/splitserve.v1.Worker/Stats',
-                request_serializer=splitserve_dot_protocol_dot_splitserve__pb2.StatsRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.StatsResponse.FromString,
+                request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -99,28 +99,28 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.GenerateRequest.FromString,
-                    response_serializer=splitserve_dot_protocol_dot_splitserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.GenerateRequest.FromString,
+                    response_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.PrefillRequest.FromString,
-                    response_serializer=splitserve_dot_protocol_dot_splitserve__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.AbortRequest.FromString,
-                    response_serializer=splitserve_dot_protocol_dot_splitserve__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.AbortRequest.FromString,
+                    response_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.AbortResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.HealthRequest.FromString,
-                    response_serializer=splitserve_dot_protocol_dot_splitserve__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.HealthRequest.FromString,
+                    response_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.HealthResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=splitserve_dot_protocol_dot_splitserve__pb2.StatsRequest.FromString,
-                    response_serializer=splitserve_dot_protocol_dot_splitserve__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsRequest.FromString,
+                    response_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -148,8 +148,8 @@ class Worker:
             request,
             target,
             '/splitserve.v1.Worker/Generate',
-            splitserve_dot_protocol_dot_splitserve__pb2.GenerateRequest.SerializeToString,
-            splitserve_dot_protocol_dot_splitserve__pb2.GenerateResponse.FromString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.GenerateRequest.SerializeToString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,8 +175,8 @@ class Worker:
             request,
             target,
             '/splitserve.v1.Worker/Prefill',
-            splitserve_dot_protocol_dot_splitserve__pb2.PrefillRequest.SerializeToString,
-            splitserve_dot_protocol_dot_splitserve__pb2.PrefillResponse.FromString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -202,8 +202,8 @@ class Worker:
             request,
             target,
             '/splitserve.v1.Worker/Abort',
-            splitserve_dot_protocol_dot_splitserve__pb2.AbortRequest.SerializeToString,
-            splitserve_dot_protocol_dot_splitserve__pb2.AbortResponse.FromString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.AbortRequest.SerializeToString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -229,8 +229,8 @@ class Worker:
             request,
             target,
             '/splitserve.v1.Worker/Health',
-            splitserve_dot_protocol_dot_splitserve__pb2.HealthRequest.SerializeToString,
-            splitserve_dot_protocol_dot_splitserve__pb2.HealthResponse.FromString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.HealthRequest.SerializeToString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -256,8 +256,8 @@ class Worker:
             request,
             target,
             '/splitserve.v1.Worker/Stats',
-            splitserve_dot_protocol_dot_splitserve__pb2.StatsRequest.SerializeToString,
-            splitserve_dot_protocol_dot_splitserve__pb2.StatsResponse.FromString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsRequest.SerializeToString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

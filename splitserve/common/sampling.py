@@ -1,8 +1,15 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters (validated on construction) and the log-probabilities a step returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
 
 @dataclass

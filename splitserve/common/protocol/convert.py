@@ -1,13 +1,12 @@
-"""Between protobuf messages and engine types, validating every field on receipt."""
+"""Between protobuf messages and our own types, validating every field on receipt."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splitserve.engine.request import Logprob
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.protocol import PROTOCOL_VERSION
-from splitserve.protocol import splitserve_pb2 as pb
+from splitserve.common.protocol import PROTOCOL_VERSION
+from splitserve.common.protocol import splitserve_pb2 as pb
+from splitserve.common.sampling import Logprob, SamplingParams
 
 MAX_REQUEST_ID = 256
 MAX_PROMPT_TOKENS = 1 << 20

@@ -1,0 +1,123 @@
+"""The gateway's core, below HTTP: route a parsed request (policy + worker view), call the decode worker over
+gRPC naming the prefill worker, and turn the token stream into text pieces.
+
+The gateway owns detokenization and stop strings (the engine deals in token ids only): the engine's step loop
+stays free of per-token text work, and gateways scale out independently of GPU workers. When a stop string
+appears, the gateway ends the call, which aborts the request on the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from splitserve.common.config import ClusterSpec
+from splitserve.common.membership import Membership
+from splitserve.common.model_files import max_positions, resolve_model
+from splitserve.common.protocol import PROTOCOL_VERSION
+from splitserve.common.protocol import splitserve_pb2 as pb
+from splitserve.common.protocol.convert import params_to_pb
+from splitserve.common.text import IncrementalDetokenizer, Tokenizer
+from splitserve.router import metrics as m
+from splitserve.router.errors import APIError, bad
+from splitserve.router.openai_protocol import GenerationSpec
+from splitserve.router.policy import RequestFeatures, RoutingPolicy, make_policy
+from splitserve.router.workers import WorkerSet
+
+log = logging.getLogger("splitserve.router")
+
+
+@dataclass
+class Piece:
+    """A slice of one request's output: new text, its tokens and log-probabilities."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Gateway:
+    def __init__(self, spec: ClusterSpec, membership: Membership) -> None:
+        self.spec = spec
+        model = spec.model
+        model_dir = resolve_model(model.tokenizer or model.name, need_weights=False)
+        self.tokenizer = Tokenizer(model_dir)
+        self.max_model_len = model.max_model_len or max_positions(model_dir)
+        self.model_name = model.served_name
+        self.workers = WorkerSet(membership, spec.router.health_interval_seconds)
+        self.policy: RoutingPolicy = make_policy(spec.router.policy)
+        for reason in self.policy.reasons:
+            m.DECISIONS.labels(self.policy.name, reason)
+
+    def features(self, gen: GenerationSpec) -> RequestFeatures:
+        return RequestFeatures(gen.prompt_token_ids, self.spec.model.block_size, self.model_name,
+                               gen.session_key, gen.params.max_tokens)
+
+    def can_serve(self) -> bool:
+        return bool(self.workers.candidates("decode"))
+
+    async def generate(self, gen: GenerationSpec, rid: str) -> AsyncIterator[Piece]:
+        """Pieces of output; tries another decode worker if one fails before its first token."""
+        request = self.features(gen)
+        tried: set[str] = set()
+        while True:
+            decision = self.policy.route(request, self.workers, frozenset(tried))
+            if decision is None:
+                raise APIError(503, "no healthy decode worker is available", code="no_workers")
+            m.DECISIONS.labels(self.policy.name, decision.reason).inc()
+            decode, prefill = decision.decode, decision.prefill
+            tried.add(decode.name)
+            worker = self.workers.get(decode.name)
+            req = pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, request_id=rid,
+                                     prompt_token_ids=gen.prompt_token_ids, params=params_to_pb(gen.params),
+                                     prefill_worker=prefill.name if prefill else "", priority=gen.priority)
+            sent_any = False
+            decode.outstanding += 1
+            if prefill:
+                prefill.outstanding += 1
+            call = worker.stub.Generate(req)
+            try:
+                async for piece in self._pieces(call, gen):
+                    sent_any = True
+                    yield piece
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise bad(e.details() or "invalid request") from None
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not sent_any:
+                    self.workers.mark_down(worker, e.details() or e.code().name)
+                    continue
+                raise APIError(503 if not sent_any else 500, f"decode worker failed: {e.details()}",
+                               code="worker_error") from None
+            finally:
+                call.cancel()
+                decode.outstanding -= 1
+                if prefill:
+                    prefill.outstanding -= 1
+
+    async def _pieces(self, call, gen: GenerationSpec) -> AsyncIterator[Piece]:
+        sp = gen.params
+        detok = IncrementalDetokenizer(self.tokenizer, gen.prompt_token_ids, sp.stop, sp.include_stop_str_in_output)
+        completion = cached = 0
+        async for resp in call:
+            if resp.error and resp.finish_reason == "error":
+                raise APIError(500, f"generation failed: {resp.error}", code="worker_error")
+            cached = max(cached, resp.cached_tokens)
+            completion += len(resp.token_ids)
+            finish = resp.finish_reason if resp.finished else None
+            if detok.add_tokens(resp.token_ids) is not None:
+                finish = "stop"
+            if finish == "abort":
+                raise APIError(500, "the request was aborted by the worker", code="worker_error")
+            yield Piece(detok.delta(finish is not None), list(resp.token_ids), list(resp.logprobs), finish,
+                        len(gen.prompt_token_ids), completion, cached)
+            if finish is not None:
+                return
+        raise APIError(500, "the worker ended the stream before the request finished", code="worker_error")

@@ -1,0 +1,288 @@
+"""The one configuration model: a typed spec per component, composed into `ClusterSpec`, inside a
+Kubernetes-shaped document (`apiVersion`, `kind`, `metadata`, `spec`).
+
+The file a user runs with `splitserve up -f` is the file they `kubectl apply` later. Each field's docstring is
+its CLI help, its JSON Schema description (and so the CRD's and the Helm chart's documentation); keys are
+camelCase in files and snake_case in Python. Values measured at run time (KV blocks, ports picked by the local
+launcher) are not here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+API_VERSION = "splitserve.dev/v1alpha1"
+KIND = "SplitServeCluster"
+
+_MEMORY_RE = re.compile(r"^\s*(auto|\d+(\.\d+)?\s*([KMGT]i?B?|B)?|0?\.\d+|1(\.0*)?)\s*$", re.IGNORECASE)
+
+
+class Spec(BaseModel):
+    """Base of every config section: unknown keys are errors, camelCase keys in files."""
+
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True,
+                              use_attribute_docstrings=True, validate_assignment=True)
+
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+Seconds = Annotated[float, Field(gt=0)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class ModelSpec(Spec):
+    name: str = "smollm2"
+    """The model: `smollm2` (embedded), a Hugging Face model directory, or a .gguf file."""
+    served_model_name: str | None = None
+    """The name clients put in `model` (default: the model's name)."""
+    tokenizer: str | None = None
+    """Where the tokenizer files are, when the model directory has none (dummy weights)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and KV cache dtype; auto is bfloat16 on CUDA and float32 on CPU."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """auto, cpu, cuda or cuda:N."""
+    max_model_len: Annotated[int, Field(ge=16)] | None = None
+    """Context length in tokens (default: the model's)."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """auto loads the checkpoint; dummy gives random weights of the model's shape (benchmarks)."""
+    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = 16
+    """Tokens per KV block (the unit of caching, hashing and transfer)."""
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """GPUs sharing each layer, one process each."""
+    expert_parallel: bool = False
+    """MoE: spread whole experts over the tensor-parallel GPUs."""
+    enforce_eager: bool = False
+    """CUDA: run decode steps eagerly (no CUDA graphs)."""
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.name
+
+
+class EngineSpec(Spec):
+    kv_cache_memory: str = "auto"
+    """KV cache size: bytes (512MiB, 2GiB), a fraction of free memory (0.9), or auto."""
+    max_num_seqs: Annotated[int, Field(ge=1)] = 128
+    """Requests in one batch at most."""
+    max_num_batched_tokens: Annotated[int, Field(ge=1)] = 2048
+    """Tokens in one step at most (chunked prefill splits longer prompts)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of prompt prefixes already computed on this worker."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """fcfs, or priority (the request's `priority`, lower first)."""
+    threads: Count = 0
+    """CPU threads for the model's math (0: the library's default)."""
+    seed: int = 0
+    """Seed of requests sampled without their own seed."""
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _memory(cls, v: Any) -> str:
+        text = str(v)
+        if not _MEMORY_RE.match(text):
+            raise ValueError(f"{v!r} is not a size (512MiB, 2GiB), a fraction (0.9) or auto")
+        return text
+
+
+class RoleSpec(Spec):
+    replicas: Count = 1
+    """Workers of this role (the autoscaler moves this within minReplicas..maxReplicas)."""
+    min_replicas: Count = 0
+    """Fewest workers the autoscaler may leave."""
+    max_replicas: Count = 8
+    """Most workers the autoscaler may start."""
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    """The engine's settings on this role's workers."""
+    port: Port = 50051
+    """gRPC port of each worker."""
+    metrics_port: Port = 9100
+    """HTTP port of each worker: /metrics, /healthz, /readyz, /stats."""
+    drain_seconds: Seconds = 120.0
+    """On SIGTERM (scale-down), how long a worker may finish its requests in flight before it exits."""
+    resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)
+    """Kubernetes: the worker container's resource requests and limits (e.g. nvidia.com/gpu)."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Kubernetes: node labels this role's pods must run on (e.g. a GPU kind)."""
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    """Kubernetes: tolerations of this role's pods."""
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    """Kubernetes: affinity of this role's pods."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RoleSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas: {self.min_replicas} is above maxReplicas ({self.max_replicas})")
+        return self
+
+
+class PrefillSpec(RoleSpec):
+    port: Port = 50061
+    """gRPC port of each worker."""
+
+
+class DecodeSpec(RoleSpec):
+    disagg_threshold: Annotated[int, Field(ge=1)] = 512
+    """Uncached prompt tokens below which a decode worker prefills locally."""
+
+
+class RatioSpec(Spec):
+    """Bounds on prefill replicas / decode replicas."""
+
+    min: Annotated[float, Field(ge=0)] | None = None
+    """Lowest prefill:decode ratio (e.g. 0.25 for 1:4); none: unbounded."""
+    max: Annotated[float, Field(gt=0)] | None = None
+    """Highest prefill:decode ratio (e.g. 1.0 for 1:1); none: unbounded."""
+
+    @model_validator(mode="after")
+    def _order(self) -> RatioSpec:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min: {self.min} is above max ({self.max})")
+        return self
+
+
+class SLOSpec(Spec):
+    ttft_seconds: Seconds = 2.0
+    """Time-to-first-token objective (p90 over the autoscaler's window)."""
+    itl_seconds: Seconds = 0.1
+    """Inter-token latency objective (p90 over the autoscaler's window)."""
+
+
+class AutoscalingSpec(Spec):
+    mode: Literal["manual", "slo", "external"] = "manual"
+    """manual: replicas as written; slo: the built-in autoscaler; external: HPA/KEDA through the scale subresource."""
+    interval_seconds: Seconds = 15.0
+    """How often the autoscaler decides."""
+    scale_up_cooldown_seconds: Annotated[float, Field(ge=0)] = 30.0
+    """Least time between two scale-ups of a role."""
+    scale_down_cooldown_seconds: Annotated[float, Field(ge=0)] = 300.0
+    """Least time after any change before a role scales down."""
+    gpu_budget: Annotated[int, Field(ge=1)] | None = None
+    """Most GPUs the cluster's workers may hold together; none: no cap."""
+
+
+class RouterSpec(Spec):
+    replicas: Annotated[int, Field(ge=1)] = 1
+    """Gateway replicas (active-active)."""
+    port: Port = 8000
+    """HTTP port of the OpenAI-compatible API."""
+    policy: Literal["least_loaded", "round_robin"] = "least_loaded"
+    """How a request's workers are chosen."""
+    max_inflight: Annotated[int, Field(ge=1)] = 256
+    """Requests in flight on one gateway; more get 429."""
+    health_interval_seconds: Seconds = 1.0
+    """How often each worker's health is checked."""
+    resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)
+    """Kubernetes: the gateway container's resource requests and limits."""
+
+
+class RedisSpec(Spec):
+    mode: Literal["none", "bundled", "external"] = "none"
+    """none: no Redis (static membership, load-only routing); bundled: one started with the cluster; external: `url`."""
+    url: str | None = None
+    """redis:// URL of an external Redis (or Redis Cluster) when mode is external."""
+
+
+class MembershipSpec(Spec):
+    """How workers find each other: a static list, or the Redis registry."""
+
+    prefill: list[str] = Field(default_factory=list)
+    """Static prefill worker endpoints (host:port), when there is no Redis registry."""
+    decode: list[str] = Field(default_factory=list)
+    """Static decode (or colocated) worker endpoints (host:port), when there is no Redis registry."""
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _endpoints(cls, v: list[str]) -> list[str]:
+        for ep in v:
+            host, _, port = ep.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{ep!r} is not host:port")
+        return v
+
+
+class KVTransferSpec(Spec):
+    backend: Literal["auto", "nixl", "tcp"] = "auto"
+    """auto (NIXL when it starts, else TCP), nixl or tcp."""
+    timeout_seconds: Seconds = 30.0
+    """How long one request's KV transfer may take before the decode worker prefills locally."""
+
+
+class KVPoolSpec(Spec):
+    enabled: bool = False
+    """Keep KV blocks in the Redis KV pool and load them instead of recomputing."""
+
+
+class ClusterSpec(Spec):
+    """One served model: its workers, router, autoscaling and the shared services they use."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """The served model and its engine-wide settings."""
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: prefill and decode workers; colocated: `decode` workers do both."""
+    prefill: PrefillSpec = Field(default_factory=PrefillSpec)
+    """Prefill workers (disaggregated mode)."""
+    decode: DecodeSpec = Field(default_factory=DecodeSpec)
+    """Decode workers (colocated workers in colocated mode)."""
+    ratio: RatioSpec = Field(default_factory=RatioSpec)
+    """Bounds on prefill:decode replicas."""
+    slo: SLOSpec = Field(default_factory=SLOSpec)
+    """Latency objectives."""
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    """Who sets replicas, and how."""
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    """The OpenAI-compatible gateway."""
+    redis: RedisSpec = Field(default_factory=RedisSpec)
+    """Redis: worker registry, KV index events, KV pool."""
+    membership: MembershipSpec = Field(default_factory=MembershipSpec)
+    """Static worker endpoints (used when there is no Redis registry)."""
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    """Moving KV from prefill to decode workers."""
+    kv_pool: KVPoolSpec = Field(default_factory=KVPoolSpec)
+    """The Redis-backed KV pool."""
+
+    @model_validator(mode="after")
+    def _cluster(self) -> ClusterSpec:
+        if self.decode.replicas < 1:
+            raise ValueError("decode.replicas: at least one decode (or colocated) worker is needed")
+        if self.mode == "disaggregated" and self.prefill.replicas < 1:
+            raise ValueError("prefill.replicas: disaggregated mode needs at least one prefill worker")
+        for name, role in (("prefill", self.prefill), ("decode", self.decode)):
+            if not role.min_replicas <= role.replicas <= role.max_replicas:
+                raise ValueError(f"{name}.replicas: {role.replicas} is outside minReplicas..maxReplicas "
+                                 f"({role.min_replicas}..{role.max_replicas})")
+        return self
+
+    def role(self, name: str) -> RoleSpec:
+        """The spec a worker of role `name` (prefill, decode or both) runs with."""
+        return self.prefill if name == "prefill" else self.decode
+
+
+class Metadata(BaseModel):
+    """Kubernetes object metadata: `name` is required; whatever else kubectl writes is kept as is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    """The cluster's name (DNS label: lowercase letters, digits and '-')."""
+    namespace: str | None = None
+    """Kubernetes namespace."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Labels copied to everything the operator creates."""
+
+
+class ClusterResource(Spec):
+    """A SplitServeCluster document: what `splitserve up -f` runs and `kubectl apply -f` creates."""
+
+    api_version: Literal["splitserve.dev/v1alpha1"] = API_VERSION
+    """Always splitserve.dev/v1alpha1."""
+    kind: Literal["SplitServeCluster"] = KIND
+    """Always SplitServeCluster."""
+    metadata: Metadata = Field(default_factory=lambda: Metadata(name="splitserve"))
+    """The cluster's name and labels."""
+    spec: ClusterSpec = Field(default_factory=ClusterSpec)
+    """What to run."""
+    status: dict[str, Any] | None = None
+    """Written by the operator; ignored on input."""

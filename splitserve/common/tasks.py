@@ -1,0 +1,41 @@
+"""Background tasks with an owner: every task's outcome is observed (an error is logged, never left
+"never retrieved"), and closing the owner cancels and awaits what is left."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+log = logging.getLogger("splitserve.tasks")
+
+
+class TaskOwner:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}: {what}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            log.warning("%s failed: %s: %s", task.get_name(), type(error).__name__, error)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,12 @@
+"""Metrics every worker process reports, whatever its role (names start with splitserve_). Imported by worker
+code only, so a gateway's /metrics never lists them."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+WORKER_REQUESTS = Counter("splitserve_worker_requests", "Requests handled by this worker", ["rpc", "status"])
+WORKER_RUNNING = Gauge("splitserve_worker_running_requests", "Requests running in the engine")
+WORKER_WAITING = Gauge("splitserve_worker_waiting_requests", "Requests waiting in the engine")
+WORKER_KV_USAGE = Gauge("splitserve_worker_kv_blocks_used", "KV blocks in use")
+WORKER_KV_TOTAL = Gauge("splitserve_worker_kv_blocks_total", "KV blocks in the cache")
