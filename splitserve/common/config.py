@@ -163,6 +163,15 @@ class AutoscalingSpec(Spec):
     """Most GPUs the cluster's workers may hold together; none: no cap."""
 
 
+class SecretKeyRef(Spec):
+    """A key of a Kubernetes Secret."""
+
+    name: str = Field(min_length=1)
+    """The Secret's name."""
+    key: str = Field(min_length=1)
+    """The key inside the Secret."""
+
+
 class RouterSpec(Spec):
     replicas: Annotated[int, Field(ge=1)] = 1
     """Gateway replicas (active-active)."""
@@ -174,6 +183,8 @@ class RouterSpec(Spec):
     """Requests in flight on one gateway; more get 429."""
     health_interval_seconds: Seconds = 1.0
     """How often each worker's health is checked."""
+    api_key_secret: SecretKeyRef | None = None
+    """Kubernetes: a Secret key holding the gateway's API keys (comma-separated); clients send one as a Bearer token."""
     resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)
     """Kubernetes: the gateway container's resource requests and limits."""
 
@@ -183,6 +194,8 @@ class RedisSpec(Spec):
     """none: no Redis (static membership, load-only routing); bundled: one started with the cluster; external: `url`."""
     url: str | None = None
     """redis:// URL of an external Redis (or Redis Cluster) when mode is external."""
+    url_secret: SecretKeyRef | None = None
+    """Kubernetes: a Secret key holding the external Redis URL (instead of `url`)."""
 
 
 class MembershipSpec(Spec):
@@ -215,6 +228,15 @@ class KVPoolSpec(Spec):
     """Keep KV blocks in the Redis KV pool and load them instead of recomputing."""
 
 
+class ImagesSpec(Spec):
+    worker: str = "ghcr.io/splitserve/worker:0.1.0"
+    """Kubernetes: the worker image (CUDA, torch, NIXL)."""
+    gateway: str = "ghcr.io/splitserve/gateway:0.1.0"
+    """Kubernetes: the slim gateway image (no torch)."""
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Kubernetes: when to pull the images."""
+
+
 class ClusterSpec(Spec):
     """One served model: its workers, router, autoscaling and the shared services they use."""
 
@@ -242,6 +264,8 @@ class ClusterSpec(Spec):
     """Moving KV from prefill to decode workers."""
     kv_pool: KVPoolSpec = Field(default_factory=KVPoolSpec)
     """The Redis-backed KV pool."""
+    images: ImagesSpec = Field(default_factory=ImagesSpec)
+    """Kubernetes: container images."""
 
     @model_validator(mode="after")
     def _cluster(self) -> ClusterSpec:
