@@ -40,6 +40,7 @@ class AsyncEngine:
         self.dead = False  # the engine cannot run steps any more (the worker should be restarted)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
+        self._snapshot: dict[str, int] = engine.stats()  # replaced (never mutated) by the engine thread
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -48,6 +49,7 @@ class AsyncEngine:
         while not self._stopped:
             while self._commands:
                 self._commands.popleft()()
+            self._snapshot = self.engine.stats()
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
@@ -103,6 +105,7 @@ class AsyncEngine:
         def run() -> None:
             try:
                 result: Any = fn(self.engine)
+                self._snapshot = self.engine.stats()  # what the caller did shows in stats at once
             except BaseException as e:
                 loop.call_soon_threadsafe(_set_exception, fut, e)
             else:
@@ -193,8 +196,9 @@ class AsyncEngine:
     async def release(self, request_id: str) -> bool:
         return await self.call(lambda e: e.release(request_id))
 
-    async def stats(self) -> dict[str, int]:
-        return await self.call(lambda e: e.stats())
+    def stats(self) -> dict[str, int]:
+        """The engine's counters as of its last step or command; never waits for the engine thread."""
+        return self._snapshot
 
     def shutdown(self) -> None:
         self._stopped = True

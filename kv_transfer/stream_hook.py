@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.common.latch import Latch
 from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.kv_transfer.agent import SendSession
 from splitserve.kv_transfer.errors import TransferError
@@ -27,7 +28,7 @@ class _Stream:
     session: SendSession | None = None
     factory: Callable[[list[int]], SendSession] | None = None  # builds the session from our block ids
     next_block: int = 0  # first prompt block not yet sent complete
-    queued_final: threading.Event = field(default_factory=threading.Event)
+    queued_final: Latch = field(default_factory=Latch)
     error: TransferError | None = None
 
 
@@ -40,7 +41,7 @@ class KVStreamHook:
         self._step: list[tuple[_Stream, range, bool]] = []
 
     def register(self, request_id: str, session: SendSession | Callable[[list[int]], SendSession],
-                 num_prompt_tokens: int) -> threading.Event:
+                 num_prompt_tokens: int) -> Latch:
         """Stream `request_id`'s prompt KV; the event fires once every layer is queued (or the stream failed).
 
         `session` is a SendSession, or a factory called on the engine thread with the request's block ids at

@@ -58,7 +58,7 @@ class PrefillService:
                 first = out
             if first is None or first.finish_reason in ("abort", "error") or not first.new_token_ids:
                 raise TransferError(f"{rid}: prefill did not produce a token ({first and first.error})")
-            await asyncio.to_thread(done.wait, max(0.5, ticket.deadline - time.time()))
+            await done.wait_async(max(0.5, ticket.deadline - time.time()))
             error = self.hook.error(rid)
             session = self.hook.session(rid)
             if error is not None or session is None:

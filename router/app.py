@@ -1,35 +1,42 @@
 """The OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
-Per request: parse and tokenize (off the event loop), let the gateway route and generate, and answer as JSON or
-SSE. This module imports no engine and no torch: a gateway runs from a slim image and starts in a second.
+Per request: check the body (type and size, before reading it all), parse and tokenize it off the event loop,
+wait for a seat (bounded admission), let the gateway route and generate, and answer as JSON or SSE. Nothing here
+blocks the event loop, so /health answers at once whatever the requests are doing. This module imports no
+engine and no torch: a gateway runs from a slim image and starts in a second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from splitserve.common.config import ClusterSpec
 from splitserve.common.membership import Membership
 from splitserve.router import metrics as m
+from splitserve.router.admission import Admission
 from splitserve.router.errors import APIError, bad
 from splitserve.router.gateway import Gateway, Piece
 from splitserve.router.openai_protocol import GenerationSpec, parse
 
 log = logging.getLogger("splitserve.router")
-MAX_BODY = 16 << 20
 SESSION_HEADER = "x-session-id"
+API_KEYS_ENV = "SPLITSERVE_API_KEYS"
+PARSE_INLINE_BYTES = 64 << 10  # bodies up to this size are parsed on the loop (cheaper than a thread hop)
 
 
 class _TokenClock:
@@ -50,56 +57,96 @@ class _TokenClock:
         self.last = now
 
 
+class _SeatedResponse(StreamingResponse):
+    """A stream that gives its admission seat back however it ends (finished, failed, or never started
+    because the client left first)."""
+
+    def __init__(self, content: AsyncIterator[str], admission: Admission) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.admission.release()
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 class HTTPApi:
     def __init__(self, spec: ClusterSpec, membership: Membership) -> None:
         self.spec = spec
         self.gw = Gateway(spec, membership)
-        self.inflight = 0
+        rs = spec.router
+        self.admission = Admission(rs.max_inflight, rs.max_queue, rs.queue_timeout_seconds)
         self.created = int(time.time())
+        keys = os.environ.get(API_KEYS_ENV, "")
+        self.api_keys = [k.strip() for k in keys.split(",") if k.strip()]
 
-    # -- HTTP handlers --------------------------------------------------------------------------------
+    # -- the request body -------------------------------------------------------------------------------
     async def _body(self, request: Request):
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise APIError(413, "request body too large")
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(415, f"Content-Type must be application/json, not {ctype!r}", code="unsupported_media_type")
+        limit = self.spec.router.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+        chunks, size = [], 0
         try:
-            return json.loads(raw)
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body is over the limit of {limit} bytes", code="body_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise APIError(400, "the client went away while sending the body") from None
+        raw = b"".join(chunks)
+        try:
+            return json.loads(raw) if size <= PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad(f"request body is not valid JSON: {e}") from None
 
+    def _check_key(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not any(hmac.compare_digest(given, k) for k in self.api_keys):
+            raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)", type_="authentication_error",
+                           code="invalid_api_key")
+
+    # -- completions --------------------------------------------------------------------------------------
     async def completions(self, request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         try:
+            self._check_key(request)
             body = await self._body(request)
             gw = self.gw
-            spec = await asyncio.to_thread(parse, body, chat, gw.tokenizer, gw.max_model_len, {gw.model_name})
+            spec = await asyncio.to_thread(parse, body, chat, gw.tokenizer, gw.max_model_len, {gw.model_name},
+                                           gw.max_prompt_chars)
             if spec.session_key is None:
                 spec.session_key = request.headers.get(SESSION_HEADER)
-            if self.inflight >= self.spec.router.max_inflight:
-                raise APIError(429, "too many requests in flight; retry later", code="queue_full")
-            if not gw.can_serve():
-                raise APIError(503, "no healthy decode worker is available", code="no_workers")
+            gw.check_servable()
+            await self.admission.acquire()
         except APIError as e:
             m.REQUESTS.labels(endpoint, str(e.status)).inc()
             return e.response()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         m.PROMPT_TOKENS.inc(len(spec.prompt_token_ids))
         if spec.stream:
-            return StreamingResponse(self._sse(spec, rid, endpoint), media_type="text/event-stream")
-        return await self._unary(spec, rid, endpoint)
-
-    def _admit(self) -> float:
-        self.inflight += 1
-        m.QUEUE_DEPTH.set(self.inflight)
-        return time.monotonic()
-
-    def _release(self) -> None:
-        self.inflight -= 1
-        m.QUEUE_DEPTH.set(self.inflight)
+            return _SeatedResponse(self._sse(spec, rid, endpoint), self.admission)
+        try:
+            return await self._unary(spec, rid, endpoint)
+        finally:
+            self.admission.release()
 
     async def _unary(self, spec: GenerationSpec, rid: str, endpoint: str) -> Response:
-        t0 = self._admit()
-        text, lps, finish, usage = [], [], None, (len(spec.prompt_token_ids), 0)
+        t0 = time.monotonic()
+        text, lps, finish, usage = [], [], None, (len(spec.prompt_token_ids), 0, 0)
         clock = _TokenClock(t0)
         try:
             async for p in self.gw.generate(spec, rid):
@@ -107,17 +154,14 @@ class HTTPApi:
                 text.append(p.text)
                 lps.extend(p.logprobs)
                 finish = p.finish_reason
-                usage = (p.prompt_tokens, p.completion_tokens)
+                usage = (p.prompt_tokens, p.completion_tokens, p.cached_tokens)
         except APIError as e:
             m.REQUESTS.labels(endpoint, str(e.status)).inc()
             return e.response()
-        finally:
-            self._release()
         m.E2E.observe(time.monotonic() - t0)
         m.GENERATION_TOKENS.inc(usage[1])
         m.REQUESTS.labels(endpoint, "200").inc()
-        body = {"id": rid, "created": int(time.time()), "model": self.gw.model_name,
-                "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1], "total_tokens": sum(usage)}}
+        body = {"id": rid, "created": int(time.time()), "model": self.gw.model_name, "usage": _usage(*usage)}
         if spec.chat:
             body["object"] = "chat.completion"
             body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
@@ -126,16 +170,17 @@ class HTTPApi:
         else:
             body["object"] = "text_completion"
             body["choices"] = [{"index": 0, "text": "".join(text), "finish_reason": finish,
-                                "logprobs": self._completion_logprobs(lps) if spec.logprobs else None}]
+                                "logprobs": self._completion_logprobs(lps, 0)[0] if spec.logprobs else None}]
         return JSONResponse(body)
 
     async def _sse(self, spec: GenerationSpec, rid: str, endpoint: str) -> AsyncIterator[str]:
-        t0 = self._admit()
+        t0 = time.monotonic()
         created = int(time.time())
         obj = "chat.completion.chunk" if spec.chat else "text_completion"
-        usage = (len(spec.prompt_token_ids), 0)
+        usage = (len(spec.prompt_token_ids), 0, 0)
         status = "200"
         clock = _TokenClock(t0)
+        offset = 0  # characters of completion text before this chunk's tokens (text_offset)
 
         def chunk(choice: dict | None, extra: dict | None = None) -> str:
             body = {"id": rid, "object": obj, "created": created, "model": self.gw.model_name,
@@ -150,60 +195,77 @@ class HTTPApi:
                              "finish_reason": None})
             async for p in self.gw.generate(spec, rid):
                 clock.tick(p)
-                usage = (p.prompt_tokens, p.completion_tokens)
-                if not p.text and p.finish_reason is None:
+                usage = (p.prompt_tokens, p.completion_tokens, p.cached_tokens)
+                if not p.text and p.finish_reason is None and not p.logprobs:
                     continue
                 if spec.chat:
                     lp = self._chat_logprobs(p.logprobs, spec) if spec.logprobs else None
                     yield chunk({"index": 0, "delta": {"content": p.text} if p.text else {}, "logprobs": lp,
                                  "finish_reason": p.finish_reason})
                 else:
-                    lp = self._completion_logprobs(p.logprobs) if spec.logprobs else None
+                    lp = None
+                    if spec.logprobs:
+                        lp, offset = self._completion_logprobs(p.logprobs, offset)
                     yield chunk({"index": 0, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason})
             if spec.include_usage:
-                yield chunk(None, {"usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
-                                             "total_tokens": sum(usage)}})
+                yield chunk(None, {"usage": _usage(*usage)})
             m.E2E.observe(time.monotonic() - t0)
         except APIError as e:
             status = str(e.status)
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
-            self._release()
             m.GENERATION_TOKENS.inc(usage[1])
             m.REQUESTS.labels(endpoint, status).inc()
         yield "data: [DONE]\n\n"
 
-    def _token_text(self, tid: int) -> str:
-        return self.gw.tokenizer.decode([tid])
+    # -- log-probabilities --------------------------------------------------------------------------------
+    def _token(self, tid: int) -> tuple[str, list[int]]:
+        """A token's text and its own bytes (part of a UTF-8 character for some tokens)."""
+        tok = self.gw.tokenizer
+        return tok.decode([tid]), list(tok.token_bytes(tid))
 
     def _chat_logprobs(self, lps, spec: GenerationSpec) -> dict:
         content = []
         for lp in lps:
-            tok = self._token_text(lp.token_id)
-            content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": self._token_text(t.token_id), "logprob": t.logprob,
-                                              "bytes": list(self._token_text(t.token_id).encode())}
-                                             for t in lp.top[: spec.top_logprobs]]})
+            text, raw = self._token(lp.token_id)
+            top = []
+            for t in lp.top[: spec.top_logprobs]:
+                t_text, t_raw = self._token(t.token_id)
+                top.append({"token": t_text, "logprob": t.logprob, "bytes": t_raw})
+            content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
-    def _completion_logprobs(self, lps) -> dict:
-        return {"tokens": [self._token_text(lp.token_id) for lp in lps],
-                "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token_text(t.token_id): t.logprob for t in lp.top} for lp in lps],
-                "text_offset": []}
+    def _completion_logprobs(self, lps, offset: int) -> tuple[dict, int]:
+        """The legacy completions shape; `offset` is the completion text's length before these tokens."""
+        tokens, offsets = [], []
+        for lp in lps:
+            text = self._token(lp.token_id)[0]
+            offsets.append(offset)
+            tokens.append(text)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token(t.token_id)[0]: t.logprob for t in lp.top} for lp in lps],
+                "text_offset": offsets}, offset
 
-    async def models(self, _: Request) -> Response:
+    # -- the rest -----------------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_key(request)
+        except APIError as e:
+            return e.response()
         gw = self.gw
         return JSONResponse({"object": "list", "data": [{"id": gw.model_name, "object": "model",
                                                           "created": self.created, "owned_by": "splitserve",
                                                           "max_model_len": gw.max_model_len}]})
 
     async def health(self, _: Request) -> Response:
-        workers = [{"name": w.info.name, "endpoint": w.endpoint, "role": w.info.role, "healthy": w.load.healthy,
-                    "draining": w.load.draining, "outstanding": w.load.outstanding} for w in self.gw.workers.workers]
+        workers = [{"name": w.info.name, "endpoint": w.endpoint, "role": w.info.role, "state": w.state,
+                    "healthy": w.load.healthy, "draining": w.load.draining, "outstanding": w.load.outstanding}
+                   for w in self.gw.workers.workers]
         ok = self.gw.can_serve()
-        body = {"status": "ok" if ok else "unavailable", "all_healthy": all(w["healthy"] for w in workers),
-                "workers": workers}
+        body = {"status": "ok" if ok else "unavailable", "all_healthy": bool(workers) and all(
+                    w["healthy"] for w in workers), "inflight": self.admission.inflight,
+                "queued": self.admission.queued, "workers": workers}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, _: Request) -> Response:
@@ -211,19 +273,19 @@ class HTTPApi:
 
 
 def build_app(spec: ClusterSpec, membership: Membership) -> Starlette:
-    gw = HTTPApi(spec, membership)
+    api = HTTPApi(spec, membership)
 
     async def chat(request: Request) -> Response:
-        return await gw.completions(request, chat=True)
+        return await api.completions(request, chat=True)
 
     async def completions(request: Request) -> Response:
-        return await gw.completions(request, chat=False)
+        return await api.completions(request, chat=False)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette):
-        await gw.gw.workers.start()
+        await api.gw.start()
         yield
-        await gw.gw.workers.close()
+        await api.gw.close()
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
@@ -239,14 +301,14 @@ def build_app(spec: ClusterSpec, membership: Membership) -> Starlette:
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", gw.models, methods=["GET"]),
-            Route("/health", gw.health, methods=["GET"]),
-            Route("/metrics", gw.metrics, methods=["GET"]),
+            Route("/v1/models", api.models, methods=["GET"]),
+            Route("/health", api.health, methods=["GET"]),
+            Route("/metrics", api.metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers={Exception: server_error, 404: not_found, 405: method_not_allowed},
     )
-    app.state.gateway = gw
+    app.state.api = api
     return app
 
 
@@ -254,6 +316,6 @@ async def serve(spec: ClusterSpec, membership: Membership, host: str) -> None:
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(build_app(spec, membership), host=host, port=spec.router.port,
-                                           log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+                                           log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=spec.decode.drain_seconds))
     await server.serve()
-

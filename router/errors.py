@@ -7,20 +7,22 @@ from starlette.responses import JSONResponse
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
-        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                              503: "service_unavailable", 500: "internal_error"}.get(status, "api_error")
+        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                              415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+                              500: "internal_error"}.get(status, "api_error")
         self.code = code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -9,6 +9,7 @@ appears, the gateway ends the call, which aborts the request on the worker.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -50,8 +51,9 @@ class Gateway:
         model_dir = resolve_model(model.tokenizer or model.name, need_weights=False)
         self.tokenizer = Tokenizer(model_dir)
         self.max_model_len = model.max_model_len or max_positions(model_dir)
+        self.max_prompt_chars = spec.router.max_prompt_chars or 32 * self.max_model_len
         self.model_name = model.served_name
-        self.workers = WorkerSet(membership, spec.router.health_interval_seconds)
+        self.workers = WorkerSet(membership, spec.router.health_interval_seconds, spec.router.health_failures)
         self.policy: RoutingPolicy = make_policy(spec.router.policy)
         for reason in self.policy.reasons:
             m.DECISIONS.labels(self.policy.name, reason)
@@ -60,17 +62,46 @@ class Gateway:
         return RequestFeatures(gen.prompt_token_ids, self.spec.model.block_size, self.model_name,
                                gen.session_key, gen.params.max_tokens)
 
+    async def start(self) -> None:
+        await self.workers.start()
+
+    async def close(self) -> None:
+        await self.workers.close()
+
     def can_serve(self) -> bool:
         return bool(self.workers.candidates("decode"))
+
+    def check_servable(self) -> None:
+        """503 only when no decode worker lives at all (slow or starting ones are waited for)."""
+        if not self.workers.alive("decode"):
+            raise APIError(503, "no decode worker is available", code="no_workers")
+
+    async def _route(self, request: RequestFeatures, tried: set[str]):
+        """A decision; while no decode worker is up but some are slow or starting, wait for one (bounded)."""
+        deadline = time.monotonic() + self.spec.router.queue_timeout_seconds
+        while True:
+            decision = self.policy.route(request, self.workers, frozenset(tried))
+            if decision is not None:
+                return decision
+            if not self.workers.alive("decode") or (tried and not self.workers.candidates("decode")
+                                                    and not self._others_alive(tried)):
+                raise APIError(503, "no decode worker is available", code="no_workers")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise APIError(429, "no decode worker answered in time; retry later", code="workers_busy",
+                               headers={"Retry-After": "5"})
+            await self.workers.wait_for_change(min(left, 1.0))
+
+    def _others_alive(self, tried: set[str]) -> bool:
+        return any(w.load.serves("decode") and w.info.name not in tried and not w.load.draining and w.state != "down"
+                   for w in self.workers.workers)
 
     async def generate(self, gen: GenerationSpec, rid: str) -> AsyncIterator[Piece]:
         """Pieces of output; tries another decode worker if one fails before its first token."""
         request = self.features(gen)
         tried: set[str] = set()
         while True:
-            decision = self.policy.route(request, self.workers, frozenset(tried))
-            if decision is None:
-                raise APIError(503, "no healthy decode worker is available", code="no_workers")
+            decision = await self._route(request, tried)
             m.DECISIONS.labels(self.policy.name, decision.reason).inc()
             decode, prefill = decision.decode, decision.prefill
             tried.add(decode.name)

@@ -12,8 +12,11 @@ TTFT = Histogram("splitserve_time_to_first_token_seconds", "Time to first token"
 ITL = Histogram("splitserve_inter_token_latency_seconds", "Time between output tokens",
                 buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
 E2E = Histogram("splitserve_e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS)
-QUEUE_DEPTH = Gauge("splitserve_queue_depth", "Requests admitted by the gateway and not yet finished")
+QUEUE_DEPTH = Gauge("splitserve_queue_depth", "Requests running or waiting for a seat on this gateway")
+INFLIGHT = Gauge("splitserve_gateway_inflight_requests", "Requests running on this gateway")
 PROMPT_TOKENS = Counter("splitserve_prompt_tokens", "Prompt tokens")
 GENERATION_TOKENS = Counter("splitserve_generation_tokens", "Generated tokens")
 WORKER_HEALTHY = Gauge("splitserve_worker_healthy", "1 when the gateway sees the worker healthy", ["worker", "role"])
+HEALTH_FLAPS = Counter("splitserve_health_flaps", "Times a worker this gateway saw healthy stopped being so",
+                       ["worker", "role"])
 DECISIONS = Counter("splitserve_router_decisions", "Routing decisions by reason", ["policy", "reason"])

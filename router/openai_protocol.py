@@ -188,7 +188,15 @@ def sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool) -> tup
     return params, top
 
 
-def parse(body: Any, chat: bool, tokenizer, max_model_len: int, model_names: set[str]) -> GenerationSpec:
+def _check_chars(n: int, max_chars: int | None, max_model_len: int, param: str) -> None:
+    """Refuse a prompt too long to fit before paying for its tokenization."""
+    if max_chars is not None and n > max_chars:
+        raise bad(f"This model's maximum context length is {max_model_len} tokens; the prompt has {n} characters "
+                  f"(at most {max_chars} are accepted)", param, code="context_length_exceeded")
+
+
+def parse(body: Any, chat: bool, tokenizer, max_model_len: int, model_names: set[str],
+          max_prompt_chars: int | None = None) -> GenerationSpec:
     check_fields(body, COMMON | (CHAT_ONLY if chat else COMPLETION_ONLY))
     if body["model"] not in model_names:
         raise APIError(404, f"The model '{body['model']}' does not exist", "model", "invalid_request_error",
@@ -197,11 +205,17 @@ def parse(body: Any, chat: bool, tokenizer, max_model_len: int, model_names: set
     include_usage = _stream_options(body, stream)
     if chat:
         messages = chat_messages(body)
+        _check_chars(sum(len(msg["content"]) for msg in messages), max_prompt_chars, max_model_len, "messages")
         try:
             prompt = tokenizer.apply_chat_template(messages)
         except Exception as e:
             raise bad(f"could not apply the chat template: {e}", "messages") from None
     else:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+            p = p[0]
+        if isinstance(p, str):
+            _check_chars(len(p), max_prompt_chars, max_model_len, "prompt")
         prompt = completion_prompt(body, tokenizer)
     params, top = sampling(body, len(prompt), max_model_len, chat)
     priority = _int(body, "priority", -1000, 1000, 0)

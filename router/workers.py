@@ -1,8 +1,10 @@
 """The gateway's view of its workers: who they are (from membership), whether they are healthy (checked in the
 background), and how loaded they are (requests this gateway has in flight on each).
 
-Health is not latency: a worker is marked down when its connection breaks, or after several health checks in a
-row failed; one slow answer from a busy worker does not take it out of rotation.
+Health is not latency. A worker's state is `up` (ready: it gets requests), `starting` (answers, not ready yet),
+`slow` (still accepts connections, but several health checks in a row went unanswered) or `down` (its
+connection is broken). One late answer from a busy worker changes nothing; while a role has workers that are
+merely slow or starting, requests wait for them instead of failing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import grpc
 from splitserve.common.membership import Membership, WorkerInfo
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
-from splitserve.router.metrics import WORKER_HEALTHY
+from splitserve.router.metrics import HEALTH_FLAPS, WORKER_HEALTHY
 from splitserve.router.policy import WorkerLoad
 
 log = logging.getLogger("splitserve.router.workers")
@@ -30,6 +32,7 @@ class Worker:
     stub: pb_grpc.WorkerStub = field(repr=False)
     load: WorkerLoad = field(repr=False)
     failures: int = 0  # health checks failed in a row
+    state: str = "starting"  # up | starting | slow | down
 
     @property
     def endpoint(self) -> str:
@@ -45,6 +48,7 @@ class WorkerSet:
         self.failures_to_down = failures_to_down
         self.by_name: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
+        self._changed: asyncio.Event | None = None  # set (then replaced) whenever a worker's state changes
         membership.subscribe(self.sync)
         self.sync()
 
@@ -64,6 +68,7 @@ class WorkerSet:
                 ch = grpc.aio.insecure_channel(info.endpoint, options=GRPC_OPTIONS)
                 load = WorkerLoad(name, info.endpoint, info.role, healthy=False, draining=info.draining)
                 self.by_name[name] = Worker(info, ch, pb_grpc.WorkerStub(ch), load)
+                HEALTH_FLAPS.labels(info.endpoint, info.role)  # the series exists from the start
             else:
                 worker.info = info
                 worker.load.draining = info.draining
@@ -79,32 +84,60 @@ class WorkerSet:
     def get(self, name: str) -> Worker | None:
         return self.by_name.get(name)
 
+    def alive(self, role: str) -> bool:
+        """Whether some worker of `role` may still take requests: up, starting, or merely slow."""
+        return any(w.load.serves(role) and not w.load.draining and w.state != "down" for w in self.by_name.values())
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Until some worker's state changes (or `timeout` seconds pass)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
     # -- health -----------------------------------------------------------------------------------------
     def mark_down(self, worker: Worker, why: str) -> None:
-        self._set_health(worker, False, why)
+        """A call found the worker's connection broken."""
+        self._set_state(worker, "down", why)
 
-    def _set_health(self, worker: Worker, ok: bool, why: str = "") -> None:
-        if ok != worker.load.healthy:
-            level = logging.INFO if ok else logging.WARNING
-            log.log(level, "worker %s (%s) is %s%s", worker.endpoint, worker.info.role,
-                    "healthy" if ok else "unhealthy", f": {why}" if why else "")
-        worker.load.healthy = ok
-        WORKER_HEALTHY.labels(worker.endpoint, worker.info.role).set(int(ok))
+    def _set_state(self, worker: Worker, state: str, why: str = "") -> None:
+        old = worker.state
+        worker.state = state
+        worker.load.healthy = state == "up"
+        WORKER_HEALTHY.labels(worker.endpoint, worker.info.role).set(int(state == "up"))
+        if state == old:
+            return
+        level = logging.INFO if state in ("up", "starting") or old == "starting" else logging.WARNING
+        log.log(level, "worker %s (%s) is %s%s", worker.endpoint, worker.info.role, state, f": {why}" if why else "")
+        if old == "up":
+            HEALTH_FLAPS.labels(worker.endpoint, worker.info.role).inc()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     async def check(self, worker: Worker) -> None:
         try:
-            h = await worker.stub.Health(pb.HealthRequest(), timeout=max(1.0, 2 * self.interval))
+            h = await worker.stub.Health(pb.HealthRequest(), timeout=max(2.0, 2 * self.interval))
         except grpc.aio.AioRpcError as e:
             worker.failures += 1
-            broken = e.code() == grpc.StatusCode.UNAVAILABLE
-            if broken or worker.failures >= self.failures_to_down:
-                self._set_health(worker, False, e.details() or e.code().name)
+            why = e.details() or e.code().name
+            if e.code() == grpc.StatusCode.UNAVAILABLE:  # refused or reset: the connection is broken
+                self._set_state(worker, "down", why)
+            elif worker.failures >= self.failures_to_down and worker.state == "up":
+                self._set_state(worker, "slow", f"{worker.failures} health checks in a row failed: {why}")
             return
         worker.failures = 0
+        worker.load.draining = h.draining or worker.info.draining
         role_ok = h.role == worker.info.role or (worker.info.role == "decode" and h.role == "both") or \
             (worker.info.role == "both" and h.role in ("both", "decode"))
-        self._set_health(worker, h.live and h.ready and role_ok,
-                         "" if role_ok else f"it serves {h.role}, not {worker.info.role}")
+        if not role_ok:
+            self._set_state(worker, "down", f"it serves {h.role}, not {worker.info.role}")
+        elif not h.live:
+            self._set_state(worker, "down", "its engine stopped")
+        else:
+            self._set_state(worker, "up" if h.ready else "starting", "" if h.ready else "not ready")
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.workers))

@@ -178,14 +178,22 @@ def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_itl: f
     return out
 
 
-def plot(results: list[Result], path: str) -> None:
-    try:
-        import matplotlib
+def check_plot(path: str) -> None:
+    """Before a run: plotting can happen at its end (matplotlib importable, the file writable)."""
+    import importlib.util
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from None
+    if importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)")
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise RuntimeError(f"--plot: directory {parent} does not exist")
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     ok = [r for r in results if r.ok]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for ax, (name, vals) in zip(axes, (("TTFT (s)", [r.ttft for r in ok]),

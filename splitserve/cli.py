@@ -302,6 +302,11 @@ def bench(url: str, model: str, num_requests: int, rate: float, trace: str | Non
     if num_requests < 1 or rate < 0 or not 0 <= vocab_low < vocab_high:
         fail("num-requests must be >= 1, rate >= 0 and vocab-low < vocab-high")
     vocab = (vocab_low, vocab_high)
+    if plot_path:
+        try:
+            b.check_plot(plot_path)
+        except RuntimeError as e:
+            fail(str(e))
     try:
         jobs = (b.load_trace(trace, num_requests, time_scale, max_input_len, max_output_len, vocab, seed) if trace
                 else b.poisson_jobs(num_requests, rate, input_len, output_len, vocab, seed))
@@ -317,6 +322,13 @@ def bench(url: str, model: str, num_requests: int, rate: float, trace: str | Non
             click.echo(f"splitserve: error: {e}", err=True)
     if as_json:
         print(json.dumps(summary))
+
+
+# -- Kubernetes -------------------------------------------------------------------------------------------
+
+
+
+
 
 
 def main() -> None:

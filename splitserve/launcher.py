@@ -9,6 +9,7 @@ launcher even if it is killed (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -72,7 +73,7 @@ class Launcher:
             key = "prefill" if role == "prefill" else "decode"
             self.components[key].append({"grpc": f"{self.host}:{port}", "metrics": f"http://{self.host}:{mport}",
                                          "pid": proc.pid})
-        self._spawn("router", ["router", *config])
+        self.components["router_pid"] = self._spawn("router", ["router", *config]).pid
 
     def dead(self, fatal_only: bool = False) -> str | None:
         """A component that exited; with fatal_only, only the router or the last decode worker counts (the
@@ -108,16 +109,24 @@ class Launcher:
         return False
 
     def stop(self) -> None:
+        """SIGTERM everything; whatever has not exited once the drain period is over gets SIGKILL."""
+        spec = self.resource.spec
+        grace = max(spec.prefill.drain_seconds, spec.decode.drain_seconds) + 10.0
         for _, p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + grace
         for _, p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        for name, p in self.procs:
+            if p.poll() is None:
+                log.warning("%s did not exit %.0f s after SIGTERM: killing it", name, grace)
                 p.kill()
-                p.wait(5)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    log.error("%s (pid %d) did not die after SIGKILL", name, p.pid)
         self._dir.cleanup()
 
 

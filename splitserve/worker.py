@@ -3,7 +3,10 @@
 
 The engine loads in a thread while both servers already answer (readiness is false until the role's service is
 built). Each role assembles its own service (`splitserve.prefill_worker.build`, `splitserve.decode_worker.build`);
-this module knows no role's internals.
+this module knows no role's internals. The HTTP server runs on its own thread and event loop and reads the
+engine's last published counters, so a long step or a busy gRPC loop never delays a probe or a scrape.
+On SIGTERM the worker drains: it reports itself draining (the gateways send it nothing new), finishes its
+requests in flight for up to the role's `drainSeconds`, and exits.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,7 +31,13 @@ from splitserve.common.membership import Membership, StaticMembership
 from splitserve.common.protocol import PROTOCOL_VERSION
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
-from splitserve.common.worker_metrics import WORKER_KV_TOTAL, WORKER_KV_USAGE, WORKER_RUNNING, WORKER_WAITING
+from splitserve.common.worker_metrics import (
+    HEALTH_FLAPS,
+    WORKER_KV_TOTAL,
+    WORKER_KV_USAGE,
+    WORKER_RUNNING,
+    WORKER_WAITING,
+)
 from splitserve.decode_worker.build import build as build_decode
 from splitserve.decode_worker.build import build_colocated
 from splitserve.engine.interface import ServingEngine
@@ -61,13 +71,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.engine: ServingEngine | None = None
         self.service: Any = None  # the role's service once built (readiness)
         self.outstanding = 0
+        self.draining = False
+        self._was_healthy = False
 
     @property
     def ready(self) -> bool:
-        return self.service is not None
+        ok = self.service is not None and not self.draining and not self.dead
+        if self._was_healthy and not ok and not self.draining:
+            HEALTH_FLAPS.inc()  # it was serving, and now cannot (its engine died)
+        self._was_healthy = ok
+        return ok
 
     async def _need_ready(self, context) -> None:
-        if not self.ready:
+        if self.service is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is loading its model")
 
     async def _serve(self, method: str, request, context):
@@ -100,7 +116,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortResponse(found=True)
 
     async def Health(self, request, context):
-        return pb.HealthResponse(live=not self.dead, ready=self.ready, role=self.role,
+        return pb.HealthResponse(live=not self.dead, ready=self.ready, role=self.role, draining=self.draining,
                                  model=self.spec.model.served_name, protocol_version=PROTOCOL_VERSION)
 
     @property
@@ -109,10 +125,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Stats(self, request, context):
         await self._need_ready(context)
-        return pb.StatsResponse(**await self.stats())
+        return pb.StatsResponse(**self.stats())
 
-    async def stats(self) -> dict:
-        s = await self.engine.stats()
+    def stats(self) -> dict:
+        """The engine's last published counters (safe from any thread; never waits for a step)."""
+        s = self.engine.stats()
         WORKER_RUNNING.set(s["num_running"])
         WORKER_WAITING.set(s["num_waiting"])
         WORKER_KV_USAGE.set(s["kv_blocks_used"])
@@ -124,8 +141,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 def http_app(servicer: WorkerServicer) -> Starlette:
     async def metrics(_: Request) -> Response:
-        if servicer.ready:
-            await servicer.stats()
+        if servicer.engine is not None:
+            servicer.stats()  # refresh the gauges
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(_: Request) -> Response:
@@ -133,12 +150,13 @@ def http_app(servicer: WorkerServicer) -> Starlette:
         return JSONResponse({"live": not dead}, status_code=503 if dead else 200)
 
     async def readyz(_: Request) -> Response:
-        return JSONResponse({"ready": servicer.ready}, status_code=200 if servicer.ready else 503)
+        ready = servicer.ready
+        return JSONResponse({"ready": ready, "draining": servicer.draining}, status_code=200 if ready else 503)
 
     async def stats(_: Request) -> Response:
-        if not servicer.ready:
+        if servicer.engine is None:
             return JSONResponse({"error": "loading"}, status_code=503)
-        return JSONResponse(await servicer.stats())
+        return JSONResponse(servicer.stats())
 
     return Starlette(routes=[Route("/metrics", metrics), Route("/healthz", healthz), Route("/readyz", readyz),
                              Route("/stats", stats)])
@@ -149,6 +167,23 @@ def membership_for(spec: ClusterSpec) -> Membership:
                             "both" if spec.mode == "colocated" else "decode")
 
 
+class HTTPThread:
+    """The worker's HTTP server on a thread and event loop of its own."""
+
+    def __init__(self, app: Starlette, host: str, port: int) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    access_log=False))
+        self.server.install_signal_handlers = lambda: None  # the main thread handles signals
+        self.thread = threading.Thread(target=self.server.run, name="http", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
 async def serve(resource: ClusterResource, role: str, host: str) -> None:
     spec = resource.spec
     role_spec = spec.role(role)
@@ -157,10 +192,9 @@ async def serve(resource: ClusterResource, role: str, host: str) -> None:
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     server.add_insecure_port(f"{host}:{role_spec.port}")
     await server.start()
-    http = uvicorn.Server(uvicorn.Config(http_app(servicer), host=host, port=role_spec.metrics_port,
-                                         log_level="warning", access_log=False))
-    http.install_signal_handlers = lambda: None  # this process handles its own signals
-    http_task = asyncio.ensure_future(http.serve())
+    http = HTTPThread(http_app(servicer), host, role_spec.metrics_port)
+    http.start()
+    HEALTH_FLAPS.inc(0)
     log.info("worker %s listening: grpc %s:%d metrics %d", role, host, role_spec.port, role_spec.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -182,15 +216,19 @@ async def serve(resource: ClusterResource, role: str, host: str) -> None:
                 servicer.service = await ROLES[role](spec, servicer.engine, membership, host)
                 log.info("worker %s ready", role)
                 await waiter
-        log.info("worker %s shutting down", role)
+        servicer.draining = True
+        log.info("worker %s draining: %d requests in flight (up to %.0f s)", role, servicer.outstanding,
+                 role_spec.drain_seconds)
+        await server.stop(grace=role_spec.drain_seconds)  # no new calls; those in flight may finish
+        log.info("worker %s stopped", role)
     finally:
-        await server.stop(grace=2)
-        http.should_exit = True
-        await asyncio.wait({http_task}, timeout=5)
+        http.stop()
         if servicer.service is not None:
             await servicer.service.close()
         await membership.close()
         if servicer.engine is not None:
             servicer.engine.shutdown()
+        if not loader.done():  # stopped while loading: the load thread finishes on its own; exit now
+            code = code or 0
     if code:
         raise SystemExit(code)

@@ -55,11 +55,11 @@ def test_leaving_a_stream_aborts_and_frees_blocks(aengine):
                 break
         await agen.aclose()
         for _ in range(100):
-            stats = await aengine.stats()
+            stats = aengine.stats()
             if stats["kv_blocks_used"] == 0 and stats["num_running"] == 0:
                 return stats
             await asyncio.sleep(0.02)
-        return await aengine.stats()
+        return aengine.stats()
 
     stats = asyncio.run(main())
     assert stats["num_running"] == 0

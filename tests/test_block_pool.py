@@ -6,7 +6,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from splitserve.engine.block_pool import BlockPool, BlockRemoved, BlockStored, NoFreeBlocksError
+from splitserve.engine.block_pool import (
+    AllBlocksCleared,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    NoFreeBlocksError,
+)
 
 NUM_BLOCKS = 12
 
@@ -98,6 +104,8 @@ class PoolMachine(RuleBasedStateMachine):
                 seen.update(e.block_hashes)
             elif isinstance(e, BlockRemoved):
                 seen.difference_update(e.block_hashes)
+            elif isinstance(e, AllBlocksCleared):
+                seen.clear()
         assert seen == set(self.pool.cached)
 
 

@@ -8,17 +8,33 @@ from helpers import greedy, make_engine
 
 
 class RecordingHook:
-    def __init__(self) -> None:
+    def __init__(self, wants_layers: bool = True) -> None:
         self.calls: list = []
+        self.wants_layers = wants_layers
 
-    def on_step_begin(self, scheduled) -> None:
+    def on_step_begin(self, scheduled) -> bool:
         self.calls.append(("begin", [(s.request_id, s.start, s.num_new_tokens) for s in scheduled]))
+        return self.wants_layers
 
     def on_layer_written(self, layer_idx: int) -> None:
         self.calls.append(("layer", layer_idx))
 
     def on_step_end(self, scheduled) -> None:
         self.calls.append(("end",))
+
+
+def test_every_hook_sees_every_step_and_layers_only_when_it_asks(smollm2_dir):
+    """The hook point takes any number of consumers; one that declines a step's layers sees only its ends."""
+    engine = make_engine(smollm2_dir, budget=32)
+    layered, quiet = RecordingHook(), RecordingHook(wants_layers=False)
+    engine.add_layer_hook(layered)
+    engine.add_layer_hook(quiet)
+    engine.generate([engine.tokenizer.encode("word " * 50)], greedy(2))
+    steps = [c for c in layered.calls if c[0] == "begin"]
+    assert steps == [c for c in quiet.calls if c[0] == "begin"] and len(steps) >= 3
+    assert sum(c[0] == "end" for c in quiet.calls) == len(steps)
+    assert not any(c[0] == "layer" for c in quiet.calls)
+    assert sum(c[0] == "layer" for c in layered.calls) == len(steps) * engine.arch.num_layers
 
 
 def test_layer_hook_fires_once_per_layer_in_order(smollm2_dir):

@@ -161,6 +161,14 @@ class AutoscalingSpec(Spec):
     """Least time after any change before a role scales down."""
     gpu_budget: Annotated[int, Field(ge=1)] | None = None
     """Most GPUs the cluster's workers may hold together; none: no cap."""
+    model_load_seconds: Seconds = 60.0
+    """Measured seconds from starting a worker to its first request (model load + warm-up); scale-up leads the forecast load by this much."""
+    warm_replicas: Count = 0
+    """Ready replicas per role kept above the planned need, to serve a burst while new ones load."""
+    planner_interval_seconds: Seconds = 60.0
+    """How often the slow loop re-plans each pool from the forecast load (the fast loop runs every interval)."""
+    target_utilization: Annotated[float, Field(gt=0.2, le=0.9)] = 0.8
+    """Fraction of each replica's capacity at the SLO the planner fills; it scales up above +0.1 and down below -0.2."""
 
 
 class SecretKeyRef(Spec):
@@ -180,9 +188,19 @@ class RouterSpec(Spec):
     policy: Literal["least_loaded", "round_robin"] = "least_loaded"
     """How a request's workers are chosen."""
     max_inflight: Annotated[int, Field(ge=1)] = 256
-    """Requests in flight on one gateway; more get 429."""
+    """Requests running at once on one gateway; more wait in its queue."""
+    max_queue: Count = 1024
+    """Requests waiting for a seat on one gateway; more get 429 with Retry-After."""
+    queue_timeout_seconds: Seconds = 300.0
+    """How long a request may wait for a seat (or for a busy worker to answer again) before a 429."""
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 16 << 20
+    """Largest request body, in bytes; larger bodies get 413 before they are read."""
+    max_prompt_chars: Annotated[int, Field(ge=1)] | None = None
+    """Longest prompt in characters, checked before tokenizing (default: 32 per token of context)."""
     health_interval_seconds: Seconds = 1.0
     """How often each worker's health is checked."""
+    health_failures: Annotated[int, Field(ge=1)] = 3
+    """Failed health checks in a row before a worker that still accepts connections counts as unresponsive."""
     api_key_secret: SecretKeyRef | None = None
     """Kubernetes: a Secret key holding the gateway's API keys (comma-separated); clients send one as a Bearer token."""
     resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)
@@ -235,6 +253,23 @@ class ImagesSpec(Spec):
     """Kubernetes: the slim gateway image (no torch)."""
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """Kubernetes: when to pull the images."""
+    redis: str = "docker.io/library/redis:7.4-alpine"
+    """Kubernetes: the bundled Redis's image (redis.mode: bundled)."""
+
+
+class KubernetesSpec(Spec):
+    """Kubernetes: how the operator shapes pods and Services (`splitserve up` ignores this section)."""
+
+    host_ipc: bool = False
+    """Kubernetes: run worker pods in the node's IPC namespace (NIXL/UCX shared-memory transfers between pods on one node)."""
+    shm_size: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+    """Kubernetes: size of a memory-backed /dev/shm in worker pods (e.g. 16Gi for NCCL/NIXL); none: the runtime's 64 MiB."""
+    model_volume: dict[str, Any] = Field(default_factory=dict)
+    """Kubernetes: a volume source holding the model, e.g. {persistentVolumeClaim: {claimName: llama}}, mounted read-only at modelMountPath in workers and gateways."""
+    model_mount_path: str = Field("/models", pattern=r"^/[^:]*$")
+    """Kubernetes: where modelVolume is mounted (model.name then names a directory under it)."""
+    gateway_service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """Kubernetes: the type of the gateway's Service (how clients outside the cluster reach it)."""
 
 
 class ClusterSpec(Spec):
@@ -266,6 +301,8 @@ class ClusterSpec(Spec):
     """The Redis-backed KV pool."""
     images: ImagesSpec = Field(default_factory=ImagesSpec)
     """Kubernetes: container images."""
+    kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
+    """Kubernetes: pod and Service settings the operator applies (ignored by local runs)."""
 
     @model_validator(mode="after")
     def _cluster(self) -> ClusterSpec:

@@ -10,3 +10,4 @@ WORKER_RUNNING = Gauge("splitserve_worker_running_requests", "Requests running i
 WORKER_WAITING = Gauge("splitserve_worker_waiting_requests", "Requests waiting in the engine")
 WORKER_KV_USAGE = Gauge("splitserve_worker_kv_blocks_used", "KV blocks in use")
 WORKER_KV_TOTAL = Gauge("splitserve_worker_kv_blocks_total", "KV blocks in the cache")
+HEALTH_FLAPS = Counter("splitserve_health_flaps", "Times this worker, once serving, reported itself unable to serve")

@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -36,7 +34,7 @@ class SamplingParams(_message.Message):
     top_logprobs: int
     min_tokens: int
     include_stop_str_in_output: bool
-    def __init__(self, max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., has_seed: bool | None = ..., seed: int | None = ..., stop: _Iterable[str] | None = ..., stop_token_ids: _Iterable[int] | None = ..., ignore_eos: bool | None = ..., want_logprobs: bool | None = ..., top_logprobs: int | None = ..., min_tokens: int | None = ..., include_stop_str_in_output: bool | None = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., want_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("protocol_version", "request_id", "prompt_token_ids", "params", "prefill_worker", "priority")
@@ -52,7 +50,7 @@ class GenerateRequest(_message.Message):
     params: SamplingParams
     prefill_worker: str
     priority: int
-    def __init__(self, protocol_version: int | None = ..., request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., params: SamplingParams | _Mapping | None = ..., prefill_worker: str | None = ..., priority: int | None = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -60,7 +58,7 @@ class TopLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -70,7 +68,7 @@ class TokenLogprob(_message.Message):
     token_id: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ..., top: _Iterable[TopLogprob | _Mapping] | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finished", "finish_reason", "stop_reason", "prompt_tokens", "cached_tokens", "completion_tokens", "error", "remote_prefill")
@@ -96,7 +94,7 @@ class GenerateResponse(_message.Message):
     completion_tokens: int
     error: str
     remote_prefill: bool
-    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., logprobs: _Iterable[TokenLogprob | _Mapping] | None = ..., finished: bool | None = ..., finish_reason: str | None = ..., stop_reason: str | None = ..., prompt_tokens: int | None = ..., cached_tokens: int | None = ..., completion_tokens: int | None = ..., error: str | None = ..., remote_prefill: bool | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., error: _Optional[str] = ..., remote_prefill: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("protocol_version", "request_id", "prompt_token_ids", "params", "ticket")
@@ -110,7 +108,7 @@ class PrefillRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     ticket: bytes
-    def __init__(self, protocol_version: int | None = ..., request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., params: SamplingParams | _Mapping | None = ..., ticket: bytes | None = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "has_logprob", "cached_tokens", "kv_bytes")
@@ -126,37 +124,39 @@ class PrefillResponse(_message.Message):
     has_logprob: bool
     cached_tokens: int
     kv_bytes: int
-    def __init__(self, request_id: str | None = ..., first_token_id: int | None = ..., first_logprob: TokenLogprob | _Mapping | None = ..., has_logprob: bool | None = ..., cached_tokens: int | None = ..., kv_bytes: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: bool | None = ...) -> None: ...
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("live", "ready", "role", "model", "protocol_version")
+    __slots__ = ("live", "ready", "role", "model", "protocol_version", "draining")
     LIVE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     live: bool
     ready: bool
     role: str
     model: str
     protocol_version: int
-    def __init__(self, live: bool | None = ..., ready: bool | None = ..., role: str | None = ..., model: str | None = ..., protocol_version: int | None = ...) -> None: ...
+    draining: bool
+    def __init__(self, live: _Optional[bool] = ..., ready: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., protocol_version: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -180,4 +180,4 @@ class StatsResponse(_message.Message):
     num_waiting_remote_kv: int
     num_held: int
     outstanding_requests: int
-    def __init__(self, num_waiting: int | None = ..., num_running: int | None = ..., kv_blocks_used: int | None = ..., kv_blocks_total: int | None = ..., tokens_in_flight: int | None = ..., num_waiting_remote_kv: int | None = ..., num_held: int | None = ..., outstanding_requests: int | None = ...) -> None: ...
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., num_waiting_remote_kv: _Optional[int] = ..., num_held: _Optional[int] = ..., outstanding_requests: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,106 @@
+"""The one configuration model from the outside: the example file runs, broken copies of it are one clear line
+naming the field (exit 2), flags override the file and are named in their errors, and `splitserve schema`
+prints a JSON Schema that validates the example and refuses the broken copies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+import yaml
+from serving import Up
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "deploy" / "examples" / "local-cpu.yaml"
+BIN = Path(sys.executable).parent / "splitserve"
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def broken_copy(tmp_path: Path, edit) -> Path:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    edit(doc)
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+BROKEN = [
+    ("unknown key", lambda d: d["spec"]["decode"].update(replicaz=2), "spec.decode.replicaz: unknown key"),
+    ("wrong type", lambda d: d["spec"]["router"].update(port="eighty"), "spec.router.port: must be a valid integer"),
+    ("negative count", lambda d: d["spec"]["prefill"].update(replicas=-1),
+     "spec.prefill.replicas: must be greater than or equal to 0"),
+]
+
+
+@pytest.mark.parametrize("name,edit,message", BROKEN, ids=[b[0] for b in BROKEN])
+def test_broken_file_is_one_line_naming_the_field(tmp_path, name, edit, message):
+    path = broken_copy(tmp_path, edit)
+    for command in (["up", "-f", str(path)], ["worker", "--config", str(path), "--role", "decode"]):
+        res = run(*command)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0] and str(path) in lines[0], res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_schema_validates_the_example_and_refuses_broken_copies(tmp_path):
+    res = run("schema")
+    assert res.returncode == 0
+    schema = json.loads(res.stdout)
+    assert "$ref" not in res.stdout  # inlined: a CRD's openAPIV3Schema takes no references
+    jsonschema.validate(yaml.safe_load(EXAMPLE.read_text()), schema)
+    for _, edit, _ in BROKEN:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(yaml.safe_load(broken_copy(tmp_path, edit).read_text()), schema)
+    spec = schema["properties"]["spec"]["properties"]
+    assert spec["router"]["properties"]["policy"]["description"] == "How a request's workers are chosen."
+
+
+def test_a_bad_flag_names_the_flag():
+    for args, flag in ((["up", "--prefill", "-1"], "--prefill"), (["up", "-f", str(EXAMPLE), "--port", "0"], "--port"),
+                       (["up", "--decode", "0"], "--decode"), (["worker", "--kv-cache-memory", "lots"],
+                                                               "--kv-cache-memory")):
+        res = run(*args)
+        assert res.returncode == 2 and res.stderr.startswith(f"splitserve: error: {flag}:"), res.stderr
+        assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_an_unreadable_or_non_yaml_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spec: [unclosed\n")
+    for path, words in ((tmp_path / "missing.yaml", "cannot read"), (bad, "not valid YAML")):
+        res = run("up", "-f", str(path))
+        assert res.returncode == 2 and words in res.stderr and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_flags_are_generated_from_the_model():
+    """Each config flag's help is its field's docstring, so nothing is documented twice."""
+    from splitserve.cli import UP_FLAGS, WORKER_FLAGS
+    from splitserve.common.config_file import spec_field
+
+    res = run("up", "--help")
+    text = " ".join(res.stdout.split())
+    for f in UP_FLAGS + WORKER_FLAGS:
+        for path in f.paths:
+            spec_field(path)  # every flag names a real field
+    _, field = spec_field("kv_transfer.backend")
+    assert field.description.rstrip(".") in text
+
+
+def test_up_serves_the_example_file():
+    up = Up("-f", str(EXAMPLE))
+    try:
+        c = openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
+        assert r.usage.completion_tokens > 0
+        assert len(up.components["prefill"]) == 1 and len(up.components["decode"]) == 1
+    finally:
+        assert up.stop() == 0

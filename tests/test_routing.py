@@ -1,0 +1,105 @@
+"""Routing policies: as plain objects (hand-made worker views), and through a real gateway in front of two real
+colocated workers, read from the per-reason decision counter and each worker's own request counter."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import openai
+import pytest
+from serving import Up, metric_sum
+
+from splitserve.router.policy import LeastLoaded, RequestFeatures, RoundRobin, WorkerLoad, make_policy
+
+
+class View:
+    def __init__(self, *workers: WorkerLoad) -> None:
+        self.workers = list(workers)
+
+    def candidates(self, role: str) -> list[WorkerLoad]:
+        return [w for w in self.workers if w.serves(role) and w.available]
+
+
+def w(name: str, role: str = "decode", **kw) -> WorkerLoad:
+    return WorkerLoad(name, f"{name}:1", role, **kw)
+
+
+REQ = RequestFeatures([1, 2, 3])
+
+
+def test_least_loaded_picks_fewest_outstanding_and_skips_unavailable():
+    view = View(w("a", outstanding=3), w("b", outstanding=1), w("c", outstanding=0, healthy=False),
+                w("d", outstanding=0, draining=True), w("p1", "prefill", outstanding=2), w("p2", "prefill"))
+    d = LeastLoaded().route(REQ, view)
+    assert (d.decode.name, d.prefill.name, d.reason) == ("b", "p2", "least_loaded")
+    assert LeastLoaded().route(REQ, view, frozenset({"b"})).decode.name == "a"
+    assert LeastLoaded().route(REQ, View(w("a", healthy=False))) is None
+
+
+def test_round_robin_takes_turns_whatever_the_load():
+    view = View(w("b", outstanding=9), w("a"), w("both", "both"))
+    rr = RoundRobin()
+    picks = [rr.route(REQ, view).decode.name for _ in range(6)]
+    assert picks == ["a", "b", "both"] * 2
+    assert rr.route(REQ, view).prefill is None  # no prefill workers: the decode worker prefills itself
+
+
+def test_block_hashes_match_the_engine():
+    from splitserve.common.hashing import hash_token_blocks
+
+    ids = list(range(100))
+    assert RequestFeatures(ids, 16, "m").block_hashes == hash_token_blocks(ids, 16, "m")
+    assert len(RequestFeatures(ids, 16, "m").block_hashes) == 6
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")
+
+
+def _worker_requests(up: Up, i: int) -> float:
+    return metric_sum(up.metrics("decode", i), "splitserve_worker_requests_total", rpc="generate", status="ok")
+
+
+def _decisions(up: Up, policy: str) -> float:
+    with urllib.request.urlopen(up.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("splitserve_router_decisions_total{") and f'policy="{policy}"' in line)
+
+
+@pytest.fixture(scope="module")
+def two_colocated():
+    up = Up("--mode", "colocated", "--decode", "2", "--routing", "round_robin")
+    yield up
+    assert up.stop() == 0
+
+
+def test_round_robin_spreads_evenly_across_two_workers(two_colocated):
+    up = two_colocated
+    c = openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    before = [_worker_requests(up, i) for i in (0, 1)]
+    for i in range(8):
+        c.completions.create(model="smollm2", prompt=f"Count to {i}:", max_tokens=2, temperature=0)
+    after = [_worker_requests(up, i) for i in (0, 1)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]
+    assert _decisions(up, "round_robin") >= 8
+    assert _decisions(up, "least_loaded") == 0
+
+
+def test_least_loaded_spreads_concurrent_requests_as_before():
+    """Today's behaviour: eight requests in flight at once go four and four (fewest outstanding first)."""
+    up = Up("--mode", "colocated", "--decode", "2")
+    try:
+        async def main():
+            c = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            await asyncio.gather(*(c.completions.create(model="smollm2", prompt=f"Story {i}:", max_tokens=24,
+                                                        temperature=0, extra_body={"ignore_eos": True})
+                                   for i in range(8)))
+
+        asyncio.run(main())
+        assert [_worker_requests(up, i) for i in (0, 1)] == [4, 4]
+        assert _decisions(up, "least_loaded") == 8
+    finally:
+        assert up.stop() == 0
