@@ -6,4 +6,4 @@ from prometheus_client import Counter
 
 LOCAL_PREFILL = Counter("splitserve_local_prefill", "Prompts the decode worker prefilled itself", ["reason"])
 REMOTE_PREFILL = Counter("splitserve_remote_prefill", "Prompts whose KV came from a prefill worker", ["outcome"])
-LOCAL_PREFILL_REASONS = ("short_prompt", "fallback", "no_prefill_worker", "no_free_blocks")
+LOCAL_PREFILL_REASONS = ("short_prompt", "fallback", "no_prefill_worker", "no_free_blocks", "unknown_prefill_worker")

@@ -82,8 +82,8 @@ class DecodeService:
             params = params_from_pb(req.params)
             if req.prefill_worker and self.agent is not None:
                 peer = self._peer(req.prefill_worker)
-                if peer is None:
-                    raise ProtocolError(f"prefill_worker {req.prefill_worker!r} is not one of this worker's peers")
+                if peer is None:  # not (or not yet, or no longer) a peer: never an address from a client
+                    LOCAL_PREFILL.labels("unknown_prefill_worker").inc()
         except ProtocolError as e:
             WORKER_REQUESTS.labels("generate", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -94,7 +94,7 @@ class DecodeService:
         if peer is not None and len(prompt) >= self.threshold:
             stream = await self._remote(rid, prompt, params, req.priority, peer)
             remote = stream is not None
-        elif peer is not None or self._has_peers():
+        elif peer is not None or (self._has_peers() and not req.prefill_worker):
             LOCAL_PREFILL.labels("short_prompt" if peer is not None else "no_prefill_worker").inc()
         if stream is None:
             stream = self.engine.generate(rid, prompt, params, req.priority)

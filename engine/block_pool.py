@@ -9,28 +9,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
+from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
-@dataclass(frozen=True)
-class BlockStored:
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-
-
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hashes: list[int]
-
-
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    """Every cached block is gone (the prefix cache was reset)."""
-
-
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+__all__ = ["AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "KVCacheEvent", "NoFreeBlocksError"]
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -305,4 +305,5 @@ class Scheduler:
             "kv_blocks_total": self.pool.num_blocks,
             "num_preemptions": self.num_preemptions,
             "tokens_in_flight": sum(r.num_tokens for r in self.running),
+            "waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
         }

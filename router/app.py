@@ -26,9 +26,11 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from splitserve.common.config import ClusterSpec
-from splitserve.common.membership import Membership
+from splitserve.common.membership import Membership, StaticMembership
+from splitserve.common.redis_link import RedisLink
 from splitserve.router import metrics as m
 from splitserve.router.admission import Admission
+from splitserve.router.cluster import ClusterState
 from splitserve.router.errors import APIError, bad
 from splitserve.router.gateway import Gateway, Piece
 from splitserve.router.openai_protocol import GenerationSpec, parse
@@ -77,10 +79,20 @@ def _usage(prompt: int, completion: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def cluster_for(spec: ClusterSpec) -> tuple[Membership, ClusterState | None]:
+    """Membership (and, with Redis, the shared cluster state: registry, KV index, peers' load) per the config."""
+    url = spec.redis.resolved_url()
+    if url:
+        cluster = ClusterState(RedisLink(url), spec.model.served_name, snapshot_s=spec.redis.snapshot_seconds)
+        return cluster.membership, cluster
+    decode_role = "both" if spec.mode == "colocated" else "decode"
+    return StaticMembership(spec.membership.prefill, spec.membership.decode, decode_role), None
+
+
 class HTTPApi:
-    def __init__(self, spec: ClusterSpec, membership: Membership) -> None:
+    def __init__(self, spec: ClusterSpec, membership: Membership, cluster: ClusterState | None = None) -> None:
         self.spec = spec
-        self.gw = Gateway(spec, membership)
+        self.gw = Gateway(spec, membership, cluster)
         rs = spec.router
         self.admission = Admission(rs.max_inflight, rs.max_queue, rs.queue_timeout_seconds)
         self.created = int(time.time())
@@ -272,8 +284,11 @@ class HTTPApi:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 
-def build_app(spec: ClusterSpec, membership: Membership) -> Starlette:
-    api = HTTPApi(spec, membership)
+def build_app(spec: ClusterSpec, membership: Membership | None = None,
+              cluster: ClusterState | None = None) -> Starlette:
+    if membership is None:
+        membership, cluster = cluster_for(spec)
+    api = HTTPApi(spec, membership, cluster)
 
     async def chat(request: Request) -> Response:
         return await api.completions(request, chat=True)
@@ -312,10 +327,10 @@ def build_app(spec: ClusterSpec, membership: Membership) -> Starlette:
     return app
 
 
-async def serve(spec: ClusterSpec, membership: Membership, host: str) -> None:
+async def serve(spec: ClusterSpec, host: str) -> None:
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(build_app(spec, membership), host=host, port=spec.router.port,
+    server = uvicorn.Server(uvicorn.Config(build_app(spec), host=host, port=spec.router.port,
                                            log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=spec.decode.drain_seconds))
     await server.serve()

@@ -23,9 +23,10 @@ from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol.convert import params_to_pb
 from splitserve.common.text import IncrementalDetokenizer, Tokenizer
 from splitserve.router import metrics as m
+from splitserve.router.cluster import ClusterState
 from splitserve.router.errors import APIError, bad
 from splitserve.router.openai_protocol import GenerationSpec
-from splitserve.router.policy import RequestFeatures, RoutingPolicy, make_policy
+from splitserve.router.policy import RequestFeatures, RoutingPolicy, WorkerLoad, make_policy
 from splitserve.router.workers import WorkerSet
 
 log = logging.getLogger("splitserve.router")
@@ -44,8 +45,38 @@ class Piece:
     cached_tokens: int = 0
 
 
+class _Charge:
+    """One request's share of its workers' load while it runs: blocks waiting for their prefill (on whichever
+    worker computes the prompt), then blocks decoding (on the decode worker)."""
+
+    def __init__(self, decode: WorkerLoad, prefill: WorkerLoad | None, blocks: int, new_blocks: int) -> None:
+        self.decode, self.prefill, self.blocks = decode, prefill, blocks
+        self.computing = prefill or decode
+        self.new_blocks = new_blocks
+        decode.outstanding += 1
+        if prefill:
+            prefill.outstanding += 1
+        self.computing.pending_prefill_blocks += new_blocks
+        self.decoding = False
+
+    def first_token(self) -> None:
+        if not self.decoding:
+            self.decoding = True
+            self.computing.pending_prefill_blocks -= self.new_blocks
+            self.decode.decoding_blocks += self.blocks
+
+    def release(self) -> None:
+        if self.decoding:
+            self.decode.decoding_blocks -= self.blocks
+        else:
+            self.computing.pending_prefill_blocks -= self.new_blocks
+        self.decode.outstanding -= 1
+        if self.prefill:
+            self.prefill.outstanding -= 1
+
+
 class Gateway:
-    def __init__(self, spec: ClusterSpec, membership: Membership) -> None:
+    def __init__(self, spec: ClusterSpec, membership: Membership, cluster: ClusterState | None = None) -> None:
         self.spec = spec
         model = spec.model
         model_dir = resolve_model(model.tokenizer or model.name, need_weights=False)
@@ -53,20 +84,42 @@ class Gateway:
         self.max_model_len = model.max_model_len or max_positions(model_dir)
         self.max_prompt_chars = spec.router.max_prompt_chars or 32 * self.max_model_len
         self.model_name = model.served_name
+        self.cluster = cluster
         self.workers = WorkerSet(membership, spec.router.health_interval_seconds, spec.router.health_failures)
-        self.policy: RoutingPolicy = make_policy(spec.router.policy)
+        kv = spec.router.kv_aware
+        self.policy: RoutingPolicy = make_policy(
+            spec.router.policy, source=cluster, block_size=model.block_size, threshold=spec.decode.disagg_threshold,
+            overlap_weight=kv.overlap_weight, decode_weight=kv.decode_weight, pool_credit=kv.pool_credit,
+            session_slack=kv.session_slack_blocks)
         for reason in self.policy.reasons:
             m.DECISIONS.labels(self.policy.name, reason)
+        m.PREFIX_HIT_TOKENS.inc(0)
+        if cluster is not None:
+            cluster.local_load_fn = self._local_load
+            cluster.on_peer_load = self._fold_peer_load
+
+    def _local_load(self) -> dict[str, tuple[int, int, int]]:
+        return {w.info.name: (w.load.outstanding, w.load.pending_prefill_blocks, w.load.decoding_blocks)
+                for w in self.workers.workers if w.load.outstanding}
+
+    def _fold_peer_load(self, peers: dict[str, tuple[int, int, int]]) -> None:
+        for w in self.workers.workers:
+            w.load.peer_outstanding, w.load.peer_pending_prefill_blocks, w.load.peer_decoding_blocks = \
+                peers.get(w.info.name, (0, 0, 0))
 
     def features(self, gen: GenerationSpec) -> RequestFeatures:
         return RequestFeatures(gen.prompt_token_ids, self.spec.model.block_size, self.model_name,
                                gen.session_key, gen.params.max_tokens)
 
     async def start(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.start()
         await self.workers.start()
 
     async def close(self) -> None:
         await self.workers.close()
+        if self.cluster is not None:
+            await self.cluster.close()
 
     def can_serve(self) -> bool:
         return bool(self.workers.candidates("decode"))
@@ -103,6 +156,7 @@ class Gateway:
         while True:
             decision = await self._route(request, tried)
             m.DECISIONS.labels(self.policy.name, decision.reason).inc()
+            m.PREFIX_HIT_TOKENS.inc(decision.cached_tokens)
             decode, prefill = decision.decode, decision.prefill
             tried.add(decode.name)
             worker = self.workers.get(decode.name)
@@ -110,12 +164,14 @@ class Gateway:
                                      prompt_token_ids=gen.prompt_token_ids, params=params_to_pb(gen.params),
                                      prefill_worker=prefill.name if prefill else "", priority=gen.priority)
             sent_any = False
-            decode.outstanding += 1
-            if prefill:
-                prefill.outstanding += 1
+            bs = self.spec.model.block_size
+            blocks = -(-request.num_prompt_tokens // bs)
+            charge = _Charge(decode, prefill, blocks, blocks - decision.cached_tokens // bs)
             call = worker.stub.Generate(req)
             try:
                 async for piece in self._pieces(call, gen):
+                    if piece.token_ids:
+                        charge.first_token()
                     sent_any = True
                     yield piece
                 return
@@ -129,9 +185,7 @@ class Gateway:
                                code="worker_error") from None
             finally:
                 call.cancel()
-                decode.outstanding -= 1
-                if prefill:
-                    prefill.outstanding -= 1
+                charge.release()
 
     async def _pieces(self, call, gen: GenerationSpec) -> AsyncIterator[Piece]:
         sp = gen.params

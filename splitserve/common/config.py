@@ -180,13 +180,30 @@ class SecretKeyRef(Spec):
     """The key inside the Secret."""
 
 
+class KVAwareSpec(Spec):
+    """The kv_aware policy's cost, in KV blocks (docs/routing.md): overlapWeight x blocks to compute + blocks
+    waiting for prefill + decodeWeight x blocks decoding."""
+
+    overlap_weight: Annotated[float, Field(ge=0)] = 1.0
+    """Weight of the prompt blocks a worker would have to compute (what a cache hit saves)."""
+    decode_weight: Annotated[float, Field(ge=0)] = 1.0
+    """Weight of the blocks of requests decoding on a worker (its decode load)."""
+    pool_credit: Annotated[float, Field(ge=0, le=1)] = 0.8
+    """Share of a block's cost saved when it can be loaded from the KV pool instead of computed (a tier below
+    a worker's own memory)."""
+    session_slack_blocks: Count = 256
+    """A session stays on its worker unless that worker's load exceeds the least loaded's by this many blocks."""
+
+
 class RouterSpec(Spec):
     replicas: Annotated[int, Field(ge=1)] = 1
     """Gateway replicas (active-active)."""
     port: Port = 8000
     """HTTP port of the OpenAI-compatible API."""
-    policy: Literal["least_loaded", "round_robin"] = "least_loaded"
+    policy: Literal["least_loaded", "round_robin", "kv_aware"] = "least_loaded"
     """How a request's workers are chosen."""
+    kv_aware: KVAwareSpec = Field(default_factory=KVAwareSpec)
+    """Weights of the kv_aware policy."""
     max_inflight: Annotated[int, Field(ge=1)] = 256
     """Requests running at once on one gateway; more wait in its queue."""
     max_queue: Count = 1024
@@ -210,8 +227,29 @@ class RouterSpec(Spec):
 class RedisSpec(Spec):
     mode: Literal["none", "bundled", "external"] = "none"
     """none: no Redis (static membership, load-only routing); bundled: one started with the cluster; external: `url`."""
-    url: str | None = None
-    """redis:// URL of an external Redis (or Redis Cluster) when mode is external."""
+    url: str | None = Field(None, pattern=r"^rediss?://")
+    """redis:// URL of an external Redis or Redis Cluster (for bundled: filled in by whoever starts it)."""
+    lease_seconds: Annotated[float, Field(ge=1)] = 5.0
+    """A worker's registry entry expires this long after its last refresh (it refreshes every second)."""
+    snapshot_seconds: Annotated[float, Field(ge=1)] = 30.0
+    """How often one gateway stores a snapshot of the KV index (new gateways start from it)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_means_external(cls, data: Any) -> Any:
+        """A URL with no mode (e.g. `--redis-url`) means that Redis."""
+        if isinstance(data, dict) and data.get("url") and data.get("mode", "none") == "none":
+            data = {**data, "mode": "external"}
+        return data
+
+    def resolved_url(self) -> str | None:
+        """The URL to use, if any: `url`, or the SPLITSERVE_REDIS_URL environment variable (a Secret on
+        Kubernetes); none when mode is none."""
+        import os
+
+        if self.mode == "none":
+            return None
+        return self.url or os.environ.get("SPLITSERVE_REDIS_URL") or None
     url_secret: SecretKeyRef | None = None
     """Kubernetes: a Secret key holding the external Redis URL (instead of `url`)."""
 

@@ -8,7 +8,7 @@ prefill peers both come from (never from a client).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 ROLES = ("prefill", "decode", "both")
@@ -27,7 +27,11 @@ class WorkerInfo:
     kv_capacity_blocks: int = 0  # KV blocks in its cache (0: not reported)
     metrics_url: str = ""  # http://host:port of /metrics, /stats (empty: unknown)
     draining: bool = False  # finishing its requests in flight; gets nothing new
-    meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    # its load as it last reported it (registry members report every second; static members never)
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_blocks_used: int = 0
+    waiting_prefill_tokens: int = 0
 
     def serves(self, role: str) -> bool:
         """Whether this worker can take `role`'s part of a request (a colocated worker decodes)."""

@@ -1,0 +1,124 @@
+"""A component's link to Redis (one server or a Redis Cluster, detected from the server itself), with degraded
+mode built in: every call has a short deadline, a failure marks the link down, and a background task
+reconnects. Callers ask `client()` (None while down) and carry on without Redis; `on_up` callbacks run when it
+comes back, so state that lives in Redis can be rebuilt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from prometheus_client import Gauge
+
+log = logging.getLogger("splitserve.redis")
+REDIS_UP = Gauge("splitserve_redis_up", "1 while this process reaches Redis")
+
+
+async def connect(url: str, timeout: float = 1.0):
+    """A redis.asyncio client for `url`: a cluster client when the server runs in cluster mode."""
+    import redis.asyncio as aioredis
+
+    plain = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        info = await plain.info("cluster")
+    except Exception:
+        await plain.aclose()
+        raise
+    if not info.get("cluster_enabled"):
+        return plain
+    await plain.aclose()
+    cluster = aioredis.RedisCluster.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    await cluster.initialize()
+    return cluster
+
+
+class RedisLink:
+    def __init__(self, url: str, timeout: float = 1.0, retry_s: float = 1.0) -> None:
+        self.url = url
+        self.timeout = timeout
+        self.retry_s = retry_s
+        self._client = None
+        self._task: asyncio.Task | None = None
+        self._on_up: list[Callable[[], Awaitable[None]]] = []
+        self.up = False
+        self.failures = 0
+        REDIS_UP.set(0)
+
+    def client(self):
+        return self._client if self.up else None
+
+    def on_up(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Run `callback` every time the link (re)connects."""
+        self._on_up.append(callback)
+
+    def failed(self, error: BaseException) -> None:
+        """A call failed: the link is down until the background task reconnects."""
+        if self.up:
+            log.warning("redis at %s unreachable (%s: %s): going on without it", self.url, type(error).__name__, error)
+        self.up = False
+        self.failures += 1
+        REDIS_UP.set(0)
+
+    async def start(self) -> None:
+        await self._try_connect()
+        self._task = asyncio.get_running_loop().create_task(self._watch(), name="redis-link")
+
+    async def _try_connect(self) -> bool:
+        try:
+            if self._client is None:
+                self._client = await asyncio.wait_for(connect(self.url, self.timeout), 3 * self.timeout)
+            await asyncio.wait_for(self._client.ping(), 2 * self.timeout)
+        except Exception as e:  # noqa: BLE001 - unreachable, refused, timed out, loading: try later
+            if self._client is not None:
+                client, self._client = self._client, None
+                try:
+                    await client.aclose()
+                except Exception:  # noqa: BLE001
+                    pass
+            if self.up:
+                self.failed(e)
+            return False
+        if not self.up:
+            self.up = True
+            REDIS_UP.set(1)
+            log.info("redis at %s reachable", self.url)
+            for cb in self._on_up:
+                try:
+                    await cb()
+                except Exception as e:  # noqa: BLE001 - a rebuild that failed retries at the next reconnect
+                    self.failed(e)
+                    return False
+        return True
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.retry_s if not self.up else 2.0)
+            await self._try_connect()
+
+    async def call(self, fn: Callable, default=None):
+        """`await fn(client)` with the link's deadline; on failure the link goes down and `default` is returned."""
+        client = self.client()
+        if client is None:
+            return default
+        try:
+            return await asyncio.wait_for(fn(client), 2 * self.timeout)
+        except Exception as e:  # noqa: BLE001 - degraded mode: callers go on without Redis
+            self.failed(e)
+            return default
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._client is not None:
+            try:
+                await self._client.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+        self.up = False
+        REDIS_UP.set(0)

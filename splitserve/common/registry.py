@@ -1,0 +1,159 @@
+"""Worker membership in Redis: each worker registers itself under a lease, and readers (gateways, decode workers)
+keep a view of the live ones.
+
+A worker's entry is a key with a TTL (the lease, a few seconds), refreshed about every second with its current
+load; its name is also in the model's worker set. A worker that stops refreshing drops out of every view when
+its lease expires; one that restarts under the same name comes back with a new instance id, which tells
+readers to drop whatever they knew of the old one. A draining worker (SIGTERM, scale-down) marks its entry so,
+and gets nothing new. When Redis is unreachable, readers keep their last view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+from prometheus_client import Counter
+
+from splitserve.common.membership import WorkerInfo
+from splitserve.common.redis_link import RedisLink
+from splitserve.common.redis_wire import Keys, RegistryEntry, WireError
+
+log = logging.getLogger("splitserve.registry")
+REJECTED = Counter("splitserve_registry_entries_rejected", "Registry entries that failed validation", ["reason"])
+
+
+class Registration:
+    """A worker's own entry: written at once, refreshed every `refresh_s`, expiring `lease_s` after the last."""
+
+    def __init__(self, link: RedisLink, keys: Keys, entry: RegistryEntry, lease_s: float = 5.0,
+                 refresh_s: float = 1.0, load: Callable[[], dict] | None = None) -> None:
+        self.link = link
+        self.keys = keys
+        self.entry = entry
+        self.lease_ms = int(lease_s * 1000)
+        self.refresh_s = refresh_s
+        self.load = load  # () -> the worker's current load fields
+        self._task: asyncio.Task | None = None
+
+    async def _write(self) -> bool:
+        entry = self.entry if self.load is None else replace(self.entry, **self.load())
+        raw = entry.encode()
+
+        async def put(r) -> bool:
+            pipe = r.pipeline(transaction=False)
+            pipe.set(self.keys.worker(entry.name), raw, px=self.lease_ms)
+            pipe.sadd(self.keys.workers, entry.name)
+            await pipe.execute()
+            return True
+
+        return bool(await self.link.call(put, False))
+
+    async def start(self) -> None:
+        await self._write()
+        self._task = asyncio.get_running_loop().create_task(self._refresh(), name="registration")
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self._write()
+
+    async def drain(self) -> None:
+        """Mark this worker draining in the registry (gateways and peers send it nothing new)."""
+        self.entry = replace(self.entry, draining=True)
+        await self._write()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        name = self.entry.name
+
+        async def remove(r) -> None:
+            pipe = r.pipeline(transaction=False)
+            pipe.delete(self.keys.worker(name))
+            pipe.srem(self.keys.workers, name)
+            await pipe.execute()
+
+        await self.link.call(remove)
+
+
+class RedisMembership:
+    """The live workers of one model, from the registry; implements `Membership`."""
+
+    def __init__(self, link: RedisLink, keys: Keys, poll_s: float = 0.5) -> None:
+        self.link = link
+        self.keys = keys
+        self.poll_s = poll_s
+        self._view: dict[str, RegistryEntry] = {}
+        self._callbacks: list[Callable[[], None]] = []
+        self._task: asyncio.Task | None = None
+
+    def workers(self) -> list[WorkerInfo]:
+        return [_info(e) for e in self._view.values()]
+
+    def entries(self) -> dict[str, RegistryEntry]:
+        return dict(self._view)
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    async def refresh(self) -> bool:
+        """Read the registry once; False (the last view kept) when Redis did not answer."""
+        async def read(r):
+            names = sorted(n.decode() if isinstance(n, bytes) else n for n in await r.smembers(self.keys.workers))
+            values = await r.mget([self.keys.worker(n) for n in names]) if names else []
+            return names, values
+
+        got = await self.link.call(read)
+        if got is None:
+            return False
+        names, values = got
+        view: dict[str, RegistryEntry] = {}
+        expired = []
+        for name, raw in zip(names, values, strict=True):
+            if raw is None:
+                expired.append(name)  # its lease ran out
+                continue
+            try:
+                entry = RegistryEntry.decode(raw)
+            except WireError as e:
+                REJECTED.labels("invalid").inc()
+                log.warning("ignoring an invalid registry entry for %r: %s", name[:64], e)
+                continue
+            if entry.name != name:
+                REJECTED.labels("name_mismatch").inc()
+                continue
+            view[name] = entry
+        if expired:
+            await self.link.call(lambda r: r.srem(self.keys.workers, *expired))
+        changed = _key(view) != _key(self._view)
+        self._view = view
+        if changed:
+            for cb in self._callbacks:
+                cb()
+        return True
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._poll(), name="registry-poll")
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self.refresh()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+def _key(view: dict[str, RegistryEntry]) -> set[tuple]:
+    return {(e.name, e.instance_id, e.endpoint, e.role, e.draining) for e in view.values()}
+
+
+def _info(e: RegistryEntry) -> WorkerInfo:
+    return WorkerInfo(e.name, e.endpoint, e.role, e.model, e.instance_id, e.block_size, e.kv_capacity_blocks,
+                      e.metrics_url, e.draining, e.num_waiting, e.num_running, e.kv_blocks_used,
+                      e.waiting_prefill_tokens)
