@@ -28,7 +28,7 @@ from splitserve.common.protocol.convert import (
     params_to_pb,
 )
 from splitserve.common.tasks import TaskOwner
-from splitserve.common.worker_metrics import WORKER_REQUESTS
+from splitserve.common.worker_metrics import PREFIX_HIT_TOKENS, PROMPT_TOKENS, WORKER_REQUESTS
 from splitserve.decode_worker.metrics import LOCAL_PREFILL, REMOTE_PREFILL
 from splitserve.engine.interface import ServingEngine
 from splitserve.engine.outputs import RequestOutput
@@ -98,9 +98,16 @@ class DecodeService:
             LOCAL_PREFILL.labels("short_prompt" if peer is not None else "no_prefill_worker").inc()
         if stream is None:
             stream = self.engine.generate(rid, prompt, params, req.priority)
+        first = True
         async for out in stream:
+            if first:
+                first = False
+                PROMPT_TOKENS.inc(out.num_prompt_tokens)
+                PREFIX_HIT_TOKENS.inc(out.num_cached_tokens)
+            if out.finished:  # counted before the last message: the caller may hang up once it has it
+                WORKER_REQUESTS.labels("generate", "ok" if out.finish_reason in ("stop", "length") else
+                                       out.finish_reason or "error").inc()
             yield _to_pb(out, remote)
-        WORKER_REQUESTS.labels("generate", "ok").inc()
 
     async def _remote(self, rid, prompt, params, priority, peer) -> AsyncIterator[RequestOutput] | None:
         """Remote prefill; None means prefill locally (the reason is counted)."""

@@ -271,13 +271,21 @@ class HTTPApi:
                                                           "max_model_len": gw.max_model_len}]})
 
     async def health(self, _: Request) -> Response:
-        workers = [{"name": w.info.name, "endpoint": w.endpoint, "role": w.info.role, "state": w.state,
-                    "healthy": w.load.healthy, "draining": w.load.draining, "outstanding": w.load.outstanding}
+        cluster = self.gw.cluster
+        indexed = cluster.index.blocks_per_worker() if cluster is not None else {}
+        workers = [{"name": w.info.name, "instance_id": w.info.instance_id, "endpoint": w.endpoint,
+                    "role": w.info.role, "state": w.state, "healthy": w.load.healthy, "draining": w.load.draining,
+                    "outstanding": w.load.outstanding, "peer_outstanding": w.load.peer_outstanding,
+                    "indexed_blocks": indexed.get((w.info.name, w.info.instance_id), 0)}
                    for w in self.gw.workers.workers]
         ok = self.gw.can_serve()
         body = {"status": "ok" if ok else "unavailable", "all_healthy": bool(workers) and all(
                     w["healthy"] for w in workers), "inflight": self.admission.inflight,
-                "queued": self.admission.queued, "workers": workers}
+                "queued": self.admission.queued, "policy": self.gw.policy.name, "workers": workers}
+        if cluster is not None:
+            body["index"] = {"usable": cluster.usable, "redis_up": cluster.link.up, "blocks": cluster.index.num_blocks,
+                             "stale_instances": sorted(f"{w}/{i}" for w, i in indexed if
+                                                       cluster.instances().get(w) != i)}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, _: Request) -> Response:

@@ -47,7 +47,7 @@ REBUILDS = Counter("splitserve_router_index_rebuilds", "Times the index was rebu
 
 class ClusterState:
     def __init__(self, link: RedisLink, model: str, router_id: str | None = None, snapshot_s: float = 30.0,
-                 history_s: float = 120.0, load_s: float = 0.25) -> None:
+                 history_s: float = 120.0, load_s: float = 0.1) -> None:
         self.link = link
         self.keys = Keys(model)
         self.router_id = router_id or f"gw-{uuid.uuid4().hex[:12]}"

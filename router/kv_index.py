@@ -90,6 +90,10 @@ class KVIndex:
     def workers(self) -> dict[str, str]:
         return {w: i for w, i in self._slots}
 
+    def blocks_per_worker(self) -> dict[tuple[str, str], int]:
+        """(worker, instance id) -> blocks indexed for it."""
+        return {key: len(slot.hashes) for key, slot in self._slots.items()}
+
     # -- events ---------------------------------------------------------------------------------------------
     def apply(self, rec: KVEventRecord, live: dict[str, str] | None = None) -> bool:
         """Apply one event record; False (skipped) when it comes from an instance that is not the live one."""

@@ -87,6 +87,7 @@ class Launcher:
             self.start_redis()
         planned = self.plan()
         self.config_path.write_text(dump(self.resource))
+        self.components["config"] = str(self.config_path)
         config = ["--config", str(self.config_path), "--host", self.host]
         for name, role, port, mport in planned:
             proc = self._spawn(name, ["worker", "--role", role, "--port", str(port), "--metrics-port", str(mport),

@@ -208,8 +208,18 @@ class ClusterPresence:
         entry = RegistryEntry(self.name, self.instance_id, self.role, self.spec.model.served_name, self.endpoint,
                               self.metrics_url, engine.kv_spec.block_size, engine.kv_spec.num_blocks)
         self.registration = Registration(self.link, self.keys, entry, self.spec.redis.lease_seconds, load=load)
+        self.registration.on_lost = self._republish
         await self.registration.start()
+        self.link.on_up(self._rejoin)
         log.info("registered as %s (instance %s) at %s", self.name, self.instance_id, self.endpoint)
+
+    async def _rejoin(self) -> None:
+        """Redis is back (perhaps empty, perhaps another one): register again and republish the whole cache."""
+        self.publisher.resync()
+        await self.registration.refresh()
+
+    async def _republish(self) -> None:
+        self.publisher.resync()
 
     async def drain(self) -> None:
         if self.registration is not None:

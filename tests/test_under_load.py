@@ -282,7 +282,8 @@ def test_small_things(cluster, tmp_path):
             assert bytes(entry["bytes"]) == tok.token_bytes(ids[0]) == entry["token"].encode()
     # the gateway exports only its own metrics
     text = c.get(up.url + "/metrics").text
-    for foreign in ("splitserve_worker_", "splitserve_kv_transfer", "splitserve_local_prefill"):
+    for foreign in ("splitserve_worker_running_requests", "splitserve_worker_kv_blocks", "splitserve_worker_requests",
+                    "splitserve_kv_transfer", "splitserve_local_prefill"):
         assert foreign not in text
     assert "splitserve_health_flaps_total" in text and "splitserve_health_flaps_total" in c.get(
         up.components["decode"][0]["metrics"] + "/metrics").text

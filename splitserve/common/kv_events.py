@@ -90,6 +90,11 @@ class KVEventPublisher:
                 return
             self._queue.append(item)
 
+    def resync(self) -> None:
+        """Republish the whole cache at the next flush (Redis came back, perhaps empty)."""
+        with self._lock:
+            self._resync = True
+
     # -- publishing ---------------------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kv-events")

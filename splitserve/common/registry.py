@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from prometheus_client import Counter
@@ -36,6 +36,8 @@ class Registration:
         self.lease_ms = int(lease_s * 1000)
         self.refresh_s = refresh_s
         self.load = load  # () -> the worker's current load fields
+        self.on_lost: Callable[[], Awaitable[None]] | None = None  # the entry vanished (Redis lost its data)
+        self._written = False
         self._task: asyncio.Task | None = None
 
     async def _write(self) -> bool:
@@ -44,12 +46,23 @@ class Registration:
 
         async def put(r) -> bool:
             pipe = r.pipeline(transaction=False)
-            pipe.set(self.keys.worker(entry.name), raw, px=self.lease_ms)
+            pipe.set(self.keys.worker(entry.name), raw, px=self.lease_ms, get=True)
             pipe.sadd(self.keys.workers, entry.name)
-            await pipe.execute()
-            return True
+            previous, _ = await pipe.execute()
+            return previous is not None
 
-        return bool(await self.link.call(put, False))
+        kept = await self.link.call(put, None)
+        if kept is None:
+            return False
+        if not kept and self._written and self.on_lost is not None:
+            log.warning("this worker's registry entry was gone (Redis restarted or lost data): republishing")
+            await self.on_lost()
+        self._written = True
+        return True
+
+    async def refresh(self) -> bool:
+        """Write the entry now (the lease starts again)."""
+        return await self._write()
 
     async def start(self) -> None:
         await self._write()
