@@ -8,18 +8,30 @@ heads x 128 dims, bf16, ~403 MB). Modes:
              after the sender's last layer is written the receiver has everything
 On CUDA the sender uses GPU 0 and the receiver GPU 1 (or GPU 0 when only one exists), and `copy_gbps` is a
 device-to-device torch copy over the same pair, measured in the same run. Prints a table, then one JSON line.
+
+The receiver is this script again in a child process (`--receiver`), talking JSON lines over its stdin/stdout.
+The parent watches it while waiting for any reply: a receiver that dies (NIXL missing, out of memory) is
+reported within a fraction of a second, with its exit code and last stderr lines, instead of waited on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
+import os
+import queue
 import statistics
+import subprocess
 import sys
+import threading
 import time
+from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from splitserve.kv_transfer import KVTransferAgent
 
 CASES = {
     # name: (layers, kv_heads, head_dim, tokens, dtype on cpu, dtype on cuda)
@@ -29,6 +41,9 @@ CASES = {
     "one_layer_403mb": (1, 8, 128, 98304, torch.bfloat16, torch.bfloat16),
 }
 BLOCK = 16
+START_S = 300.0  # seconds the receiver may take to start (torch import, KV allocation, NIXL init)
+REPLY_S = 300.0  # seconds to wait for any later reply (a transfer's own deadline is 120 s)
+CHECK_S = 0.1  # seconds between looks at whether the receiver is still alive while waiting for it
 
 
 def _kv(layers, heads, dim, blocks, dtype, device, fill):
@@ -41,50 +56,136 @@ def _digest(kv, blocks) -> float:
     return float(sum(t[blocks].float().sum().item() for pair in kv for t in pair))
 
 
-def receiver_main(conn, backend, device, case):
+def receiver_main(backend: str, device: str, case: str) -> None:
+    """The child: one JSON line per command on stdin, one reply line per command on the original stdout."""
     from splitserve.kv_transfer import KVLayout, make_agent
 
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints of libraries (NIXL, UCX) go to stderr, never into the replies
     layers, heads, dim, tokens, cpu_dt, cuda_dt = CASES[case]
     dtype = cuda_dt if device.startswith("cuda") else cpu_dt
     nblocks = tokens // BLOCK
     kv = _kv(layers, heads, dim, nblocks + 8, dtype, device, fill=False)
     agent = make_agent(backend, KVLayout(kv))
-    conn.send_bytes(b"ready")
-    while True:
-        msg = json.loads(conn.recv_bytes())
+    print(json.dumps({"ready": agent.backend.name}), file=replies)
+    for line in sys.stdin:
+        msg = json.loads(line)
         if msg["op"] == "stop":
             break
         blocks = list(range(4, 4 + nblocks))
         ticket = agent.expect(msg["rid"], blocks, timeout_s=120)
-        conn.send_bytes(ticket.encode())
+        print(json.dumps({"ticket": ticket.encode().decode()}), file=replies)
         agent.wait_blocking(msg["rid"])
-        done = time.monotonic()
+        done = time.monotonic()  # CLOCK_MONOTONIC: comparable with the parent's clock on one host
         agent.forget(msg["rid"])
-        conn.send_bytes(json.dumps({"done": done, "digest": _digest(kv, blocks) if msg.get("verify") else None}).encode())
+        digest = _digest(kv, blocks) if msg.get("verify") else None
+        print(json.dumps({"done": done, "digest": digest}), file=replies)
     agent.close()
 
 
-def run_case(backend, device, recv_device, case, reps):
-    from splitserve.kv_transfer import KVLayout, TransferTicket, make_agent
+class ReceiverDied(RuntimeError):
+    pass
+
+
+class Receiver:
+    """Handle on the receiver process. Its stderr is passed through to ours, keeping the last lines for the
+    error raised when it dies; every wait for a reply also watches the process."""
+
+    def __init__(self, backend: str, device: str, case: str) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--receiver", backend, device, case]
+        pipe = subprocess.PIPE
+        self.proc = subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
+        self._replies: queue.Queue[str | None] = queue.Queue()  # None: its stdout closed
+        self._stderr_tail: deque[str] = deque(maxlen=20)
+        threading.Thread(target=self._read_replies, name="kv-bench-replies", daemon=True).start()
+        self._stderr_pump = threading.Thread(target=self._read_stderr, name="kv-bench-stderr", daemon=True)
+        self._stderr_pump.start()
+        ready = self.recv(START_S)
+        if ready.get("ready") != backend:
+            raise ReceiverDied(f"receiver started backend {ready.get('ready')!r}, not {backend!r}")
+
+    def _read_replies(self) -> None:
+        for line in self.proc.stdout:
+            self._replies.put(line)
+        self._replies.put(None)
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr_tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+
+    def send(self, msg: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._died() from None
+
+    def recv(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._replies.get(timeout=CHECK_S)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise self._died() from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"receiver (pid {self.proc.pid}) silent for {timeout:.0f} s") from None
+                continue
+            if line is None:
+                raise self._died()
+            return json.loads(line)
+
+    def _died(self) -> ReceiverDied:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None  # closed its stdout but lingers
+        self._stderr_pump.join(2)  # its last words
+        tail = "\n".join(self._stderr_tail) or "(nothing on stderr)"
+        return ReceiverDied(f"receiver process (pid {self.proc.pid}) exited with code {code}; "
+                            f"last stderr lines:\n{tail}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"op": "stop"})
+                self.proc.wait(30)
+            except (ReceiverDied, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def run_case(backend: str, device: str, recv_device: str, case: str, reps: int) -> dict:
+    from splitserve.kv_transfer import KVLayout, make_agent
 
     layers, heads, dim, tokens, cpu_dt, cuda_dt = CASES[case]
     dtype = cuda_dt if device.startswith("cuda") else cpu_dt
     nblocks = tokens // BLOCK
     kv = _kv(layers, heads, dim, nblocks + 8, dtype, device, fill=True)
     nbytes = 2 * layers * nblocks * BLOCK * heads * dim * kv[0][0].element_size()
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, backend, recv_device, case), daemon=True)
-    proc.start()
-    assert parent.recv_bytes() == b"ready"
-    agent = make_agent(backend, KVLayout(kv))
+    receiver = Receiver(backend, recv_device, case)
+    try:
+        agent = make_agent(backend, KVLayout(kv))
+        try:
+            return _measure(receiver, agent, kv, case, nbytes, reps)
+        finally:
+            agent.close()
+    finally:
+        receiver.close()
+
+
+def _measure(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: int, reps: int) -> dict:
+    from splitserve.kv_transfer import TransferTicket
+
+    layers, nblocks = len(kv), CASES[case][3] // BLOCK
     src = list(range(2, 2 + nblocks))
     counter = iter(range(10**6))
 
     def one(mode, interval=0.0, verify=False):
         rid = f"{case}-{mode}-{next(counter)}"
-        parent.send_bytes(json.dumps({"op": "expect", "rid": rid, "verify": verify}).encode())
-        ticket = TransferTicket.decode(parent.recv_bytes())
+        receiver.send({"op": "expect", "rid": rid, "verify": verify})
+        ticket = TransferTicket.decode(receiver.recv(REPLY_S)["ticket"].encode())
         t0 = time.monotonic()
         session = agent.begin(ticket, src)
         last_written = t0
@@ -97,7 +198,7 @@ def run_case(backend, device, recv_device, case, reps):
                 last_written = time.monotonic()
                 session.send_layer(layer)
         session.finish()
-        res = json.loads(parent.recv_bytes())
+        res = receiver.recv(REPLY_S)
         return res["done"] - t0, res["done"] - last_written, res["digest"]
 
     out = {"name": case, "bytes": nbytes}
@@ -117,9 +218,6 @@ def run_case(backend, device, recv_device, case, reps):
     out["layer_transfer_ms"] = per_layer * 1e3
     out["paced_interval_ms"] = interval * 1e3
     out["tail_after_last_layer_ms"] = statistics.median(tails) * 1e3
-    parent.send_bytes(json.dumps({"op": "stop"}).encode())
-    proc.join(30)
-    agent.close()
     return out
 
 
@@ -140,6 +238,9 @@ def copy_bandwidth(src_dev, dst_dev, nbytes=1 << 30) -> float:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--receiver"]:  # the child side: --receiver BACKEND DEVICE CASE
+        receiver_main(*sys.argv[2:5])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["tcp", "nixl"], required=True)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -154,7 +255,10 @@ def main() -> None:
         send_dev = "cuda:0"
         recv_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
         copy_gbps = copy_bandwidth(send_dev, recv_dev)
-    cases = [run_case(args.backend, send_dev, recv_dev, c, args.reps) for c in args.cases.split(",")]
+    try:
+        cases = [run_case(args.backend, send_dev, recv_dev, c, args.reps) for c in args.cases.split(",")]
+    except ReceiverDied as e:
+        sys.exit(f"kv_transfer benchmark: {e}")
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     print(f"backend={args.backend} device={args.device} sender={send_dev} receiver={recv_dev} gpu={gpu} "
           f"copy_gbps={copy_gbps and round(copy_gbps, 1)}")

@@ -32,6 +32,9 @@ from splitserve.kv_transfer.ticket import TransferTicket
 
 log = logging.getLogger("splitserve.kv_transfer")
 
+SEND_POLL_S = 0.0002  # seconds between polls of in-flight writes by the sender thread (none: it blocks)
+REAP_S = 0.02  # seconds between deadline checks while transfers are pending (none pending: the reaper blocks)
+
 
 class Channel(Protocol):
     """Sender side of one transfer: write runs (src_block, dst_block, n) of one layer's K and V."""
@@ -42,7 +45,8 @@ class Channel(Protocol):
 
     def flush(self) -> None: ...
 
-    def poll(self) -> None: ...
+    def poll(self) -> bool | None:
+        """Progress in-flight writes; truthy while some remain (synchronous channels: None)."""
 
     def abort(self) -> None: ...
 
@@ -80,11 +84,13 @@ class KVTransferAgent:
         self.name = name or f"splitserve-{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
+        self._expected = threading.Condition(self._lock)  # notified by expect(): wakes idle pollers
         # outcomes kept briefly so a waiter arriving after the end still learns it (bounded)
         self._finished: OrderedDict[str, _Pending] = OrderedDict()
         self._closed = False
         self._jobs: queue.Queue = queue.Queue()
-        self._active: set[SendSession] = set()  # sessions with an open channel (polled while idle)
+        # sessions with an open channel, polled by the sender thread while they have writes in flight
+        self._active: set[SendSession] = set()
         self._sender = threading.Thread(target=self._send_loop, name="kv-send", daemon=True)
         self._reaper = threading.Thread(target=self._reap_loop, name="kv-deadlines", daemon=True)
         backend.start(self)
@@ -110,6 +116,7 @@ class KVTransferAgent:
             if request_id in self._pending:
                 raise ValueError(f"a transfer for {request_id!r} is already expected")
             self._pending[request_id] = _Pending(ticket, time.monotonic())
+            self._expected.notify_all()
         metrics.IN_FLIGHT.labels("recv", self.backend.name).inc()
         return ticket
 
@@ -165,6 +172,16 @@ class KVTransferAgent:
             return len(self._pending)
 
     # -- called by backends ------------------------------------------------------------------------
+    def wait_for_pending(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds until some transfer is expected; True if one is.
+
+        Pollers idle here instead of spinning: `expect()` wakes them at once.
+        """
+        with self._lock:
+            if not self._pending:
+                self._expected.wait(timeout)  # an early (spurious) return only makes the caller look sooner
+            return bool(self._pending)
+
     def lookup(self, request_id: str) -> TransferTicket | None:
         with self._lock:
             p = self._pending.get(request_id)
@@ -223,12 +240,14 @@ class KVTransferAgent:
 
     def _reap_loop(self) -> None:
         while not self._closed:
+            if not self.wait_for_pending(1.0):  # nothing pending: nothing can expire
+                continue
             now = time.time()
             with self._lock:
                 late = [rid for rid, p in self._pending.items() if not p.done.is_set() and now > p.ticket.deadline]
             for rid in late:
                 self._finish(rid, TransferTimeout(f"{rid}: not complete by its deadline"))
-            time.sleep(0.02)
+            time.sleep(REAP_S)
 
     # == sender (prefill) side =====================================================================
     def begin(self, ticket: TransferTicket, src_block_ids: Sequence[int]) -> SendSession:
@@ -245,16 +264,19 @@ class KVTransferAgent:
         return SendSession(self, ticket, list(src_block_ids))
 
     def _send_loop(self) -> None:
+        busy = False  # writes may be in flight: poll every SEND_POLL_S; otherwise block until the next job
         while True:
             try:
-                job = self._jobs.get(timeout=0.0002 if self._active else None)
+                job = self._jobs.get(timeout=SEND_POLL_S if busy else None)
             except queue.Empty:
-                for session in list(self._active):  # keep in-flight writes progressing between layers
-                    session._poll()
+                # keep in-flight writes progressing between layers; only this thread posts writes, so once
+                # none remain nothing changes until the next job
+                busy = any([session._poll() for session in list(self._active)])  # a list: poll every one
                 continue
             if job is None:
                 return
             job()
+            busy = bool(self._active)  # the job may have posted writes: the next poll tells
 
     def close(self) -> None:
         if self._closed:
@@ -325,9 +347,17 @@ class SendSession:
         except Exception as e:  # backend failures become typed errors
             self.error = TransferError(f"{self.ticket.request_id}: send failed: {e}")
 
-    def _poll(self) -> None:
+    def _poll(self) -> bool:
+        """Progress this session's in-flight writes; True while some remain."""
+        busy = False
+
+        def poll() -> None:
+            nonlocal busy
+            busy = bool(self._channel.poll())
+
         if self._channel is not None:
-            self._guarded(self._channel.poll)
+            self._guarded(poll)
+        return busy
 
     def send_all(self, indices: range | None = None, event: torch.cuda.Event | None = None) -> None:
         """Queue every layer at once as one transfer (whole-request mode, when the KV is already computed)."""

@@ -6,6 +6,12 @@ blocks by index, so contiguous runs merge into single descriptors and no per-tra
 
 Notification: b"L|<layer>|<final 0/1>|<bytes>|<request id>" (layer -1: every layer, one transfer) or
 b"A|<request id>" (sender aborted).
+
+Polling: NIXL has no blocking wait for notifications, and the UCX progress thread its Python agent starts
+polls with a 0 µs delay (nixl 1.5.1's `nixl_agent` hard-wires `pthrDelay = 0`): a core spent forever. So the
+agent runs without it and UCX progresses inside our own calls (`get_new_notifs`, `check_xfer_state`): every
+SPIN_S while a transfer is expected or a write is in flight, otherwise with an idle backoff of
+IDLE_MIN_S..IDLE_MAX_S that `KVTransferAgent.expect` cuts short.
 """
 
 from __future__ import annotations
@@ -23,26 +29,38 @@ from splitserve.kv_transfer.ticket import TransferTicket
 
 log = logging.getLogger("splitserve.kv_transfer.nixl")
 
-POLL_S = float(os.environ.get("SPLITSERVE_KV_POLL_US", "50")) * 1e-6  # idle poll interval for completions
+# seconds between polls while a transfer is expected (receiver) or a write is in flight (sender)
+SPIN_S = float(os.environ.get("SPLITSERVE_KV_POLL_US", "50")) * 1e-6
+# idle backoff of the notification poller, seconds: doubles from MIN to MAX while nothing is expected; MAX
+# bounds how long UCX goes unprogressed at rest (keepalives, a late abort notice)
+IDLE_MIN_S = 1e-3
+IDLE_MAX_S = 10e-3
 
 
 class NixlBackend:
     name = "nixl"
 
     def __init__(self, agent_name: str) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config  # raises ImportError where NIXL is absent
+        # raises ImportError where NIXL is absent
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         # NIXL logs INFO lines to stdout; route its logger through ours (stderr, warnings and up)
         nixl_log = logging.getLogger("nixl")
         nixl_log.handlers.clear()
         nixl_log.propagate = True
         nixl_log.setLevel(logging.WARNING)
-        self.nixl = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+        # No progress thread (it spins, see the module docstring). We call NIXL from the notification, sender
+        # and caller threads, and without that thread UCX progresses inside whichever call is running: STRICT
+        # serializes every agent call, so two of them never progress the worker (and append notifications)
+        # at once. The calls are short, except a post that copies over CMA, which a receiver waits out anyway.
+        self.nixl = nixl_agent(agent_name, nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         self._agent = None
         self._reg = None
         self._remotes: dict[str, tuple[str, object]] = {}  # ticket agent -> (NIXL remote name, prepped dlist)
         self._remote_lock = threading.Lock()
         self._closed = False
+        self._notif_thread: threading.Thread | None = None
 
     def start(self, agent) -> None:
         self._agent = agent
@@ -54,7 +72,8 @@ class NixlBackend:
         self._metadata = self.nixl.get_agent_metadata()
         rows = [(t.data_ptr(), layout.block_bytes, self.dev_id, layout.block_bytes, layout.num_blocks) for t in tensors]
         self._local_prep = self.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(rows, dtype=np.int64), self.mem_type)
-        threading.Thread(target=self._notif_loop, name="kv-nixl-notifs", daemon=True).start()
+        self._notif_thread = threading.Thread(target=self._notif_loop, name="kv-nixl-notifs", daemon=True)
+        self._notif_thread.start()
 
     def ticket_fields(self) -> dict:
         layout: KVLayout = self._agent.layout
@@ -62,7 +81,13 @@ class NixlBackend:
                 "regions": [[k.data_ptr(), v.data_ptr()] for k, v in layout.tensors]}
 
     def _notif_loop(self) -> None:
+        """Hand notifications to the agent. Each `get_new_notifs` also progresses UCX (no progress thread).
+
+        Polls every SPIN_S while the agent expects a transfer (so a landed layer is seen within ~SPIN_S);
+        at rest it sleeps IDLE_MIN_S, doubling up to IDLE_MAX_S, and `expect()` wakes it at once.
+        """
         agent = self._agent
+        idle_s = 0.0  # current idle sleep, seconds (0: spinning)
         while not self._closed:
             try:
                 notifs = self.nixl.get_new_notifs()
@@ -74,8 +99,15 @@ class NixlBackend:
                 for msg in msgs:
                     got = True
                     self._on_notif(agent, msg)
-            if not got:
-                time.sleep(POLL_S)
+            if got:
+                idle_s = 0.0
+            elif agent.num_pending:
+                idle_s = 0.0
+                time.sleep(SPIN_S)
+            else:
+                idle_s = min(IDLE_MAX_S, max(IDLE_MIN_S, 2 * idle_s))
+                if agent.wait_for_pending(idle_s):
+                    idle_s = 0.0
 
     @staticmethod
     def _on_notif(agent, msg: bytes) -> None:
@@ -116,6 +148,8 @@ class NixlBackend:
 
     def close(self) -> None:
         self._closed = True
+        if self._notif_thread is not None:  # at most one idle sleep (IDLE_MAX_S) away from seeing `_closed`
+            self._notif_thread.join(timeout=1.0)
         with self._remote_lock:
             for name, _ in self._remotes.values():
                 try:
@@ -201,14 +235,16 @@ class NixlChannel:
             self._reap()
             spins += 1
             if spins > 64:  # poll gently after a short spin: on small hosts the receiver needs the core
-                time.sleep(POLL_S)
+                time.sleep(SPIN_S)
 
     def flush(self) -> None:
         self._wait(lambda tag: True)
 
-    def poll(self) -> None:
+    def poll(self) -> bool:
+        """Progress in-flight writes (UCX moves only when asked); True while some are still in flight."""
         if self._inflight:
             self._reap()
+        return bool(self._inflight)
 
     def abort(self) -> None:
         self.b.nixl.send_notif(self.remote, f"A|{self.ticket.request_id}".encode())

@@ -1,21 +1,31 @@
-"""A KV sender in its own process, for the transfer tests: reads JSON commands on stdin, sends, reports.
+"""A KV sender in its own process for the transfer tests, and `Peer`, the tests' handle on that process.
 
-Its KV cache is random with a fixed seed, so the test process can rebuild the expected bytes.
+The process reads JSON commands on stdin, sends, and reports one JSON line per outcome on stdout. Its KV cache
+is random with a fixed seed, so the test process can rebuild the expected bytes. `Peer` watches the process
+whenever it waits on it: a peer that dies, at start or later, raises `PeerDied` within a fraction of a second,
+naming its exit code and last stderr lines, instead of leaving the test to an outer timeout.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import queue
+import subprocess
 import sys
 import threading
 import time
+from collections import deque
 
 import torch
 
 from splitserve.kv_transfer import KVLayout, TransferTicket, make_agent
 
 SHAPE = dict(num_layers=6, num_blocks=96, block_size=16, heads=2, head_dim=32)
+START_S = 60.0  # seconds a peer may take to report ready (torch import, agent start)
+READ_S = 30.0  # seconds to wait for any later report
+CHECK_S = 0.1  # seconds between looks at whether the peer is still alive while waiting on it
 
 
 def make_kv(seed: int, dtype=torch.float32, fill: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -30,10 +40,97 @@ def make_kv(seed: int, dtype=torch.float32, fill: bool = True) -> list[tuple[tor
     return out
 
 
+class PeerDied(RuntimeError):
+    pass
+
+
+class Peer:
+    """The test side: starts `kv_peer.py BACKEND SEED`, sends it commands, reads its reports."""
+
+    def __init__(self, backend: str, seed: int) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, __file__, backend, str(seed)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self._reports: queue.Queue[str | None] = queue.Queue()  # None: its stdout closed
+        self._stderr_tail: deque[str] = deque(maxlen=20)
+        threading.Thread(target=self._read_reports, name="kv-peer-reports", daemon=True).start()
+        self._stderr_pump = threading.Thread(target=self._read_stderr, name="kv-peer-stderr", daemon=True)
+        self._stderr_pump.start()
+        try:
+            ready = self.read(START_S)
+        except TimeoutError:
+            self.close()
+            raise
+        if ready.get("ready") != backend:
+            self.close()
+            raise PeerDied(f"peer started backend {ready.get('ready')!r}, not {backend!r}")
+
+    def _read_reports(self) -> None:
+        for line in self.proc.stdout:
+            self._reports.put(line)
+        self._reports.put(None)
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr_tail.append(line.rstrip("\n"))
+
+    def send(self, ticket: TransferTicket, src: list[int], **kw) -> None:
+        cmd = {"ticket": base64.b64encode(ticket.encode()).decode(), "src": src, **kw}
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._died() from None
+
+    def read(self, timeout: float = READ_S) -> dict:
+        """The next report; raises PeerDied once the process is gone, TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._reports.get(timeout=CHECK_S)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise self._died() from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"peer (pid {self.proc.pid}) silent for {timeout:.0f} s") from None
+                continue
+            if line is None:
+                raise self._died()
+            return json.loads(line)
+
+    def _died(self) -> PeerDied:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None  # closed its stdout but lingers
+        self._stderr_pump.join(2)  # its last words
+        tail = "\n".join(self._stderr_tail) or "(nothing on stderr)"
+        return PeerDied(f"peer process (pid {self.proc.pid}) exited with code {code}; "
+                        f"last stderr lines:\n{tail}")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(5)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.kill()
+            self.proc.wait(5)
+
+
 def main() -> None:
     backend, seed = sys.argv[1], int(sys.argv[2])
+    reports = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints of libraries (NIXL, UCX) go to stderr, never into the reports
+    lock = threading.Lock()  # one report line at a time from the session threads
+
+    def report(msg: dict) -> None:
+        with lock:
+            print(json.dumps(msg), file=reports)
+
     agent = make_agent(backend, KVLayout(make_kv(seed)))
-    print(json.dumps({"ready": agent.backend.name}), flush=True)
+    report({"ready": agent.backend.name})
 
     def run(cmd: dict) -> None:
         try:
@@ -41,14 +138,14 @@ def main() -> None:
             session = agent.begin(ticket, cmd["src"])
             for i, layer in enumerate(cmd.get("layers") or range(SHAPE["num_layers"])):
                 if cmd.get("stop_after") is not None and i >= cmd["stop_after"]:
-                    print(json.dumps({"stalled": ticket.request_id}), flush=True)
+                    report({"stalled": ticket.request_id})
                     return  # stall: never finish (the receiver's deadline must catch it)
                 session.send_layer(layer)
                 time.sleep(cmd.get("delay", 0.0))
             session.finish()
-            print(json.dumps({"done": ticket.request_id, "bytes": session.bytes}), flush=True)
+            report({"done": ticket.request_id, "bytes": session.bytes})
         except Exception as e:
-            print(json.dumps({"error": str(e), "type": type(e).__name__}), flush=True)
+            report({"error": str(e), "type": type(e).__name__})
 
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -1,12 +1,12 @@
 """KV transfer between two real processes on loopback, CPU tensors, for both backends (TCP and NIXL).
 
-The sender runs in `kv_peer.py` (its own process, seeded random KV); this process is the receiver.
+The sender runs in `kv_peer.py` (its own process, seeded random KV); this process is the receiver. A peer or
+benchmark receiver that dies is reported at once, not waited on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import random
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_peer import SHAPE, make_kv
+from kv_peer import SHAPE, Peer, PeerDied, make_kv
 
 from splitserve.kv_transfer import (
     IncompatibleLayout,
@@ -44,34 +44,6 @@ def _nixl_available() -> bool:
     return True
 
 
-class Peer:
-    def __init__(self, backend: str) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "kv_peer.py"), backend, str(SEED)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env=env)
-        ready = json.loads(self.proc.stdout.readline())
-        assert ready["ready"] == backend
-
-    def send(self, ticket: TransferTicket, src: list[int], **kw) -> None:
-        cmd = {"ticket": base64.b64encode(ticket.encode()).decode(), "src": src, **kw}
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def read(self) -> dict:
-        return json.loads(self.proc.stdout.readline())
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(5)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.kill()
-            self.proc.wait(5)
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     if request.param == "nixl" and not _nixl_available():
@@ -89,7 +61,7 @@ def receiver(backend):
 
 @pytest.fixture
 def peer(backend):
-    p = Peer(backend)
+    p = Peer(backend, SEED)
     yield p
     p.close()
 
@@ -262,7 +234,7 @@ def test_incompatible_layout_is_rejected(receiver, backend):
 
 def test_garbage_on_the_tcp_port_is_dropped_and_serving_continues():
     receiver = make_agent("tcp", KVLayout(make_kv(0, fill=False)))
-    peer = Peer("tcp")
+    peer = Peer("tcp", SEED)
     try:
         ticket = receiver.expect("req-g", [5, 6], timeout_s=20)
         host, _, port = ticket.endpoint.rpartition(":")
@@ -351,3 +323,41 @@ def test_stream_hook_sends_chunks_layer_by_layer(receiver, backend):
         assert_landed(receiver, src[1:], dst[1:])
     finally:
         sender.close()
+
+
+# == a dead peer is reported, not waited on ========================================================
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_peer_that_dies_at_start_is_reported_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(PeerDied, match=r"exited with code 1(.|\n)*ValueError(.|\n)*no-such-backend"):
+        Peer("no-such-backend", SEED)
+    assert time.monotonic() - t0 < 20  # a Python start with torch; the wait for "ready" allows 60 s
+
+
+def test_peer_killed_later_is_reported_at_once():
+    peer = Peer("tcp", SEED)
+    try:
+        os.kill(peer.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(PeerDied, match="exited with code -9"):
+            peer.read(timeout=30)
+        assert time.monotonic() - t0 < 2
+    finally:
+        peer.close()
+
+
+def test_benchmark_reports_a_receiver_that_dies_at_start(tmp_path):
+    """`kv_transfer.py --backend nixl` without NIXL: the receiver dies at start and the parent says so."""
+    (tmp_path / "nixl").mkdir()
+    (tmp_path / "nixl" / "__init__.py").write_text('raise ImportError("NIXL is not installed here")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    cmd = [sys.executable, "benchmarks/kv_transfer.py", "--backend", "nixl", "--cases", "smollm2_2k",
+           "--reps", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert res.returncode != 0
+    assert "exited with code 1" in res.stderr, res.stderr[-2000:]
+    assert "NIXL is not installed here" in res.stderr, res.stderr[-2000:]
+    assert time.monotonic() - t0 < 30  # it used to wait for an outer timeout
