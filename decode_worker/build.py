@@ -8,25 +8,27 @@ import asyncio
 import logging
 
 from splitserve.common.config import ClusterSpec
-from splitserve.common.membership import Membership
+from splitserve.common.worker_context import WorkerContext
 from splitserve.decode_worker.metrics import LOCAL_PREFILL, LOCAL_PREFILL_REASONS
 from splitserve.decode_worker.service import DecodeService
 from splitserve.engine.interface import ServingEngine
 from splitserve.kv_transfer import KVLayout, make_agent
 from splitserve.kv_transfer import metrics as kv_metrics
+from splitserve.kv_transfer.pool import make_pool
 
 log = logging.getLogger("splitserve.decode_worker")
 
 
-async def build(spec: ClusterSpec, engine: ServingEngine, membership: Membership, host: str) -> DecodeService:
-    agent = await asyncio.to_thread(make_agent, spec.kv_transfer.backend, KVLayout(engine.kv_tensors()), host)
+async def build(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext) -> DecodeService:
+    agent = await asyncio.to_thread(make_agent, spec.kv_transfer.backend, KVLayout(engine.kv_tensors()), ctx.host)
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
     kv_metrics.BYTES.labels("recv", agent.backend.name)
     for reason in LOCAL_PREFILL_REASONS:  # every series from the start, so dashboards see them
         LOCAL_PREFILL.labels(reason)
-    return DecodeService(engine, agent, membership, spec.decode.disagg_threshold, spec.kv_transfer.timeout_seconds)
+    return DecodeService(engine, agent, ctx.membership, spec.decode.disagg_threshold,
+                         spec.kv_transfer.timeout_seconds, make_pool(spec, engine, ctx, "decode"))
 
 
-async def build_colocated(spec: ClusterSpec, engine: ServingEngine, membership: Membership,
-                          host: str) -> DecodeService:
-    return DecodeService(engine, None, membership, spec.decode.disagg_threshold, spec.kv_transfer.timeout_seconds)
+async def build_colocated(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext) -> DecodeService:
+    return DecodeService(engine, None, ctx.membership, spec.decode.disagg_threshold,
+                         spec.kv_transfer.timeout_seconds, make_pool(spec, engine, ctx, "decode"))

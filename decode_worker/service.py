@@ -33,6 +33,7 @@ from splitserve.decode_worker.metrics import LOCAL_PREFILL, REMOTE_PREFILL
 from splitserve.engine.interface import ServingEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.kv_transfer import KVTransferAgent, TransferError
+from splitserve.kv_transfer.pool import KVPool
 
 log = logging.getLogger("splitserve.decode_worker")
 
@@ -45,7 +46,7 @@ class DecodeService:
     """Generate on a decode worker (`agent` and prefill peers) or a colocated one (no agent: always local)."""
 
     def __init__(self, engine: ServingEngine, agent: KVTransferAgent | None, membership: Membership,
-                 threshold: int = 512, transfer_timeout: float = 30.0) -> None:
+                 threshold: int = 512, transfer_timeout: float = 30.0, pool: KVPool | None = None) -> None:
         self.role = "decode" if agent is not None else "both"
         self.engine = engine
         self.agent = agent
@@ -55,6 +56,8 @@ class DecodeService:
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.WorkerStub]] = {}  # endpoint -> channel, stub
         self._warned: set[str] = set()
         self._tasks = TaskOwner("decode")
+        self.pool = pool  # prompts prefilled here load their blocks from the KV pool where that pays
+        self._local = pool or engine
 
     def _peer(self, name: str) -> str | None:
         """The endpoint of prefill peer `name`, if membership has it (a name from the router, never an address)."""
@@ -97,7 +100,7 @@ class DecodeService:
         elif peer is not None or (self._has_peers() and not req.prefill_worker):
             LOCAL_PREFILL.labels("short_prompt" if peer is not None else "no_prefill_worker").inc()
         if stream is None:
-            stream = self.engine.generate(rid, prompt, params, req.priority)
+            stream = self._local.generate(rid, prompt, params, req.priority)
         first = True
         async for out in stream:
             if first:
@@ -165,7 +168,7 @@ class DecodeService:
         local_id = f"{rid}#local"
 
         async def relabel() -> AsyncIterator[RequestOutput]:
-            async for out in self.engine.generate(local_id, prompt, params, priority):
+            async for out in self._local.generate(local_id, prompt, params, priority):
                 out.request_id = rid
                 yield out
 
@@ -173,6 +176,8 @@ class DecodeService:
 
     async def close(self) -> None:
         await self._tasks.close()
+        if self.pool is not None:
+            await self.pool.close()
         for channel, _ in self._stubs.values():
             await channel.close()
         if self.agent is not None:
@@ -184,6 +189,6 @@ def _to_pb(out: RequestOutput, remote: bool) -> pb.GenerateResponse:
         request_id=out.request_id, token_ids=out.new_token_ids,
         logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs], finished=out.finished,
         finish_reason=out.finish_reason or "", stop_reason="" if out.stop_reason is None else str(out.stop_reason),
-        prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+        prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens + out.num_loaded_tokens,
         completion_tokens=out.num_output_tokens, error=out.error or "", remote_prefill=remote,
     )

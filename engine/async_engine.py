@@ -60,6 +60,7 @@ class AsyncEngine:
                         self._stopped = True
                         self.dead = True
                     continue
+                self._snapshot = self.engine.stats()  # before the outputs: a caller sees the step's effects
                 for out in outputs:
                     self._deliver(out)
             else:
@@ -172,10 +173,21 @@ class AsyncEngine:
                 self._abort_later(request_id)
 
     async def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                             priority: int = 0) -> tuple[list[int], int] | None:
+                             priority: int = 0, hold_blocks: bool = False) -> tuple[list[int], int] | None:
         """Blocks for a prompt whose KV arrives from outside: (block ids, prompt tokens cached here) or None."""
-        return await self._call_for(request_id,
-                                    lambda e: e.reserve_remote(request_id, prompt_token_ids, params, priority))
+        return await self._call_for(request_id, lambda e: e.reserve_remote(request_id, prompt_token_ids, params,
+                                                                           priority, hold_blocks))
+
+    async def export_blocks(self, block_hashes: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        return await self.call(lambda e: e.export_blocks(block_hashes))
+
+    async def stream_loaded(self, request_id: str, first_block: int, data: torch.Tensor) -> AsyncIterator[RequestOutput]:
+        """Write KV loaded from outside into a reserved request's blocks from `first_block` on, admit it, and
+        stream its outputs (the rest of its prompt is computed as usual)."""
+        queue = self._register(request_id)
+        await self._call_for(request_id, lambda e: e.load_blocks(request_id, first_block, data))
+        async for out in self._stream(request_id, queue):
+            yield out
 
     async def stream_remote(self, request_id: str, first_token_id: int,
                             first_logprob: Logprob | None = None) -> AsyncIterator[RequestOutput]:

@@ -1,5 +1,6 @@
 """What the serving roles may use of the engine, and nothing more: model facts, the KV layout, reserving and
-admitting remote KV, the KV block events, and per-layer hooks (any number of consumers).
+admitting remote KV, KV blocks in and out by hash (the KV pool), the KV block events, and per-layer hooks (any
+number of consumers).
 
 `AsyncEngine` implements `ServingEngine`; the prefill and decode services are written against this protocol,
 so they never reach into the engine's runner, scheduler or cache tensors by attribute.
@@ -74,7 +75,16 @@ class ServingEngine(Protocol):
                  priority: int = 0, hold_blocks: bool = False) -> AsyncIterator[RequestOutput]: ...
 
     async def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                             priority: int = 0) -> tuple[list[int], int] | None: ...
+                             priority: int = 0, hold_blocks: bool = False) -> tuple[list[int], int] | None: ...
+
+    async def export_blocks(self, block_hashes: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        """Copies of cached blocks by hash (those still cached), as bytes: [n, bytes per block]."""
+        ...
+
+    def stream_loaded(self, request_id: str, first_block: int,
+                      data: torch.Tensor) -> AsyncIterator[RequestOutput]:
+        """Write loaded KV into a reserved request's blocks from `first_block`, admit it, stream its outputs."""
+        ...
 
     def stream_remote(self, request_id: str, first_token_id: int,
                       first_logprob: Logprob | None = None) -> AsyncIterator[RequestOutput]: ...

@@ -118,13 +118,30 @@ class LLMEngine:
 
     # -- disaggregation (decode role) ---------------------------------------------------------------
     def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       priority: int = 0) -> tuple[list[int], int] | None:
-        """Reserve blocks for a prompt whose KV arrives from a prefill worker.
+                       priority: int = 0, hold_blocks: bool = False) -> tuple[list[int], int] | None:
+        """Reserve blocks for a prompt whose KV arrives from outside (a prefill worker, the KV pool).
 
         Returns (block ids covering the whole prompt, prompt tokens already cached here), or None if full.
         """
-        request = self.make_request(request_id, prompt_token_ids, params, priority)
+        request = self.make_request(request_id, prompt_token_ids, params, priority, hold_blocks)
         return self.scheduler.reserve_remote(request)
+
+    # -- KV blocks in and out (the KV pool) ---------------------------------------------------------
+    def export_blocks(self, block_hashes: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        """Copies of the cached blocks with these hashes (those still cached): (their hashes, uint8 CPU tensor
+        [n, bytes per block] laid out [layer, K/V, block_size, kv_heads, head_dim] per block)."""
+        cached = self.scheduler.pool.cached
+        found = [h for h in block_hashes if h in cached]
+        return found, self.runner.read_blocks([cached[h] for h in found])
+
+    def load_blocks(self, request_id: str, first_block: int, data: torch.Tensor) -> None:
+        """Write `data` ([n, bytes per block], from `export_blocks` on any worker of the same layout) into blocks
+        first_block..first_block+n of a reserved request, and admit it to compute the rest of its prompt."""
+        block_ids = self.scheduler.kv.get_block_ids(request_id)[first_block : first_block + len(data)]
+        if len(block_ids) != len(data):
+            raise ValueError(f"{request_id}: {len(data)} blocks do not fit its reservation")
+        self.runner.write_blocks(block_ids, data)
+        self.scheduler.admit_loaded(request_id, (first_block + len(data)) * self.kv_spec.block_size)
 
     def admit_remote(self, request_id: str, first_token_id: int, first_logprob: Logprob | None = None) -> RequestOutput:
         """The prompt KV landed: the request joins the batch, continuing after `first_token_id`."""
@@ -150,6 +167,7 @@ class LLMEngine:
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
+            num_loaded_tokens=request.num_loaded_tokens,
             num_output_tokens=request.num_output_tokens,
         )
         if request.is_finished:

@@ -63,6 +63,34 @@ class ModelRunner:
                                        cdiv(self.max_model_len, self.block_size), self.max_num_seqs, self.device)
             self.graphs.capture()
 
+    def block_payload_shape(self) -> tuple[int, ...]:
+        """One block of every layer's K and V: [layers, 2, block_size, kv_heads, head_dim]."""
+        return (self.arch.num_layers, 2, self.block_size, self.num_kv_heads, self.arch.head_dim)
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies of these blocks as a uint8 CPU tensor [n, bytes per block]: one gather per layer and K/V."""
+        n = len(block_ids)
+        out = torch.empty((n, *self.block_payload_shape()), dtype=self.dtype, device=self.device)
+        if n:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                torch.index_select(k, 0, idx, out=out[:, layer, 0])
+                torch.index_select(v, 0, idx, out=out[:, layer, 1])
+        return out.view(n, -1).view(torch.uint8).cpu() if n else torch.empty((0, 0), dtype=torch.uint8)
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write `read_blocks`-shaped bytes into these blocks: one scatter per layer and K/V."""
+        n = len(block_ids)
+        if not n:
+            return
+        blocks = data.to(self.device).view(self.dtype).view(n, *self.block_payload_shape())
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, blocks[:, layer, 0])
+            v.index_copy_(0, idx, blocks[:, layer, 1])
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, hooks: Sequence[KVLayerHook] = ()) -> dict[str, SampledToken]:
         # Decodes (one new token) first, so their attention runs as one batched kernel.

@@ -16,6 +16,7 @@ class RequestOutput:
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in this worker's prefix cache
+    num_loaded_tokens: int = 0  # prompt tokens loaded from the KV pool
     num_output_tokens: int = 0
     error: str | None = None

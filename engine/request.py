@@ -49,6 +49,7 @@ class Request:
     output_logprobs: list[Logprob] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first schedule
+    num_loaded_tokens: int = 0  # prompt tokens whose KV was loaded from outside (the KV pool)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
 

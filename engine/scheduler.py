@@ -124,6 +124,20 @@ class Scheduler:
             self.waiting.appendleft(request)
         return request
 
+    def admit_loaded(self, request_id: str, num_tokens: int) -> Request:
+        """The first `num_tokens` prompt tokens' KV was written into the reserved blocks from outside (the KV
+        pool); the request joins the queue to compute the rest. At least one prompt token is always left."""
+        request = self.remote_waiting[request_id]
+        if num_tokens % self.block_size or not request.num_cached_tokens <= num_tokens < request.num_prompt_tokens:
+            raise ValueError(f"cannot admit {num_tokens} loaded tokens of a {request.num_prompt_tokens}-token prompt")
+        del self.remote_waiting[request_id]
+        request.num_loaded_tokens = num_tokens - request.num_cached_tokens
+        request.num_computed_tokens = num_tokens
+        self.kv.cache_blocks(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return request
+
     # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -18,6 +18,7 @@ from splitserve.common.worker_metrics import WORKER_REQUESTS
 from splitserve.engine.interface import ServingEngine
 from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.kv_transfer import KVTransferAgent, MalformedTicket, TransferError, TransferTicket
+from splitserve.kv_transfer.pool import KVPool
 from splitserve.kv_transfer.stream_hook import KVStreamHook
 
 log = logging.getLogger("splitserve.prefill_worker")
@@ -26,10 +27,12 @@ log = logging.getLogger("splitserve.prefill_worker")
 class PrefillService:
     role = "prefill"
 
-    def __init__(self, engine: ServingEngine, agent: KVTransferAgent, hook: KVStreamHook) -> None:
+    def __init__(self, engine: ServingEngine, agent: KVTransferAgent, hook: KVStreamHook,
+                 pool: KVPool | None = None) -> None:
         self.engine = engine
         self.agent = agent
         self.hook = hook
+        self.pool = pool  # prompts' blocks already in the KV pool are loaded, not computed
 
     async def prefill(self, req: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         facts = self.engine.facts
@@ -54,7 +57,7 @@ class PrefillService:
         sent = False
         try:
             first = None
-            async for out in self.engine.generate(rid, prompt, first_params, hold_blocks=True):
+            async for out in (self.pool or self.engine).generate(rid, prompt, first_params, hold_blocks=True):
                 first = out
             if first is None or first.finish_reason in ("abort", "error") or not first.new_token_ids:
                 raise TransferError(f"{rid}: prefill did not produce a token ({first and first.error})")
@@ -84,4 +87,6 @@ class PrefillService:
         )
 
     async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
         self.agent.close()

@@ -24,6 +24,7 @@ from prometheus_client import Counter, Gauge
 
 from splitserve.common.redis_link import RedisLink
 from splitserve.common.redis_wire import (
+    LEASE_SCRIPT,
     Keys,
     KVEventRecord,
     WireError,
@@ -31,8 +32,9 @@ from splitserve.common.redis_wire import (
     decode_snapshot,
     encode_load,
     encode_snapshot,
+    pool_hash_of_key,
 )
-from splitserve.common.registry import RedisMembership
+from splitserve.common.registry import RedisMembership, drop_leases, read_leases
 from splitserve.router.kv_index import KVIndex
 
 log = logging.getLogger("splitserve.router.cluster")
@@ -86,13 +88,15 @@ class ClusterState:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._follow(), name="kv-index"),
                        loop.create_task(self._snapshots(), name="kv-snapshots"),
-                       loop.create_task(self._share_load(), name="gateway-load")]
+                       loop.create_task(self._share_load(), name="gateway-load"),
+                       loop.create_task(self._pool_evictions(), name="kv-pool-evictions")]
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.link.call(lambda r: r.delete(self.keys.router(self.router_id)))
+        await self.link.call(lambda r: drop_leases(r, self.keys.routers, [self.keys.router(self.router_id)],
+                                                   [self.router_id]))
         await self.membership.close()
         await self.link.close()
 
@@ -201,6 +205,35 @@ class ClusterState:
             if ms > 0:
                 await self.link.call(lambda r: r.xtrim(self.keys.events, minid=f"{ms}-0", approximate=True))
 
+    # -- KV pool blocks that Redis evicted or expired ----------------------------------------------------------
+    async def _pool_evictions(self) -> None:
+        """Drop pool blocks from the index as Redis evicts or expires them (keyspace notifications, which the
+        bundled Redis enables; elsewhere, and on a Redis Cluster, a stale pool entry is simply a load miss)."""
+        while True:
+            client = self.link.client()
+            if client is None or type(client).__name__ == "RedisCluster":
+                await asyncio.sleep(2.0)
+                continue
+            pubsub = client.pubsub()
+            try:
+                await pubsub.psubscribe("__keyevent@*__:evicted", "__keyevent@*__:expired")
+                while True:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+                    if msg and msg.get("type") == "pmessage":
+                        h = pool_hash_of_key(msg.get("data", b""))
+                        if h is not None:
+                            self.index.pool.discard(h)
+                            EVENTS.labels("pool_evicted").inc()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - Redis went away: the link reconnects, we subscribe again
+                await asyncio.sleep(1.0)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:  # noqa: BLE001
+                    pass
+
     # -- the other gateways' load -------------------------------------------------------------------------------
     async def _share_load(self) -> None:
         ttl_ms = int(max(2.0, 8 * self.load_s) * 1000)
@@ -209,24 +242,21 @@ class ClusterState:
             own = encode_load(self.router_id, {k: list(v) for k, v in self.local_load_fn().items()})
 
             async def exchange(r, own=own):
-                pipe = r.pipeline(transaction=False)
-                pipe.set(self.keys.router(self.router_id), own, px=ttl_ms)
-                pipe.sadd(self.keys.routers, self.router_id)
-                pipe.smembers(self.keys.routers)
-                res = await pipe.execute()
-                others = sorted(x.decode() if isinstance(x, bytes) else x for x in res[2])
-                others = [o for o in others if o != self.router_id]
+                await r.eval(LEASE_SCRIPT, 2, self.keys.router(self.router_id), self.keys.routers, self.router_id,
+                             own, ttl_ms)
+                live, expired = await read_leases(r, self.keys.routers)
+                others = [o for o in live if o != self.router_id]
                 values = await r.mget([self.keys.router(o) for o in others]) if others else []
+                if expired:
+                    await drop_leases(r, self.keys.routers, [self.keys.router(o) for o in expired], expired)
                 return others, values
 
             got = await self.link.call(exchange)
             if got is None:
                 continue  # keep the last figures while Redis is away
             total: dict[str, list[int]] = {}
-            gone = []
-            for other, raw in zip(*got, strict=True):
+            for _, raw in zip(*got, strict=True):
                 if raw is None:
-                    gone.append(other)
                     continue
                 try:
                     _, load = decode_load(raw)
@@ -237,8 +267,6 @@ class ClusterState:
                     acc = total.setdefault(worker, [0, 0, 0])
                     for i in range(3):
                         acc[i] += counts[i]
-            if gone:
-                await self.link.call(lambda r, gone=gone: r.srem(self.keys.routers, *gone))
             self.peer_load = {k: (v[0], v[1], v[2]) for k, v in total.items()}
             self.on_peer_load(self.peer_load)
 

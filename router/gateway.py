@@ -8,6 +8,7 @@ appears, the gateway ends the call, which aborts the request on the worker.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -175,6 +176,15 @@ class Gateway:
                     sent_any = True
                     yield piece
                 return
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # we are being cancelled (the client left)
+                # the call was cancelled under us (its channel closed): the worker is gone
+                if not sent_any:
+                    self.workers.mark_down(worker, "its connection closed")
+                    continue
+                raise APIError(500, "the decode worker's connection closed mid-stream", code="worker_error") from None
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise bad(e.details() or "invalid request") from None

@@ -43,6 +43,8 @@ class KVIndex:
         self.pool: set[int] = set()  # block hashes in the KV pool
         self.events_applied = 0  # block-level events (one per hash, or one per clear)
         self.events_skipped = 0
+        self._slots_version = 0  # changes whenever a slot is made or freed (invalidates _asked)
+        self._asked: tuple = ((), -1, {}, 0)  # the last match()'s workers: (pairs, version, slot -> name, mask)
 
     # -- membership of the index -------------------------------------------------------------------------
     def _slot(self, worker: str, instance_id: str) -> _Slot:
@@ -55,6 +57,7 @@ class KVIndex:
             slot = _Slot(index, worker, instance_id)
             self._slots[key] = slot
             self._by_index[index] = slot
+            self._slots_version += 1
         return slot
 
     def _drop(self, slot: _Slot) -> None:
@@ -77,6 +80,7 @@ class KVIndex:
             self._drop(slot)
             del self._by_index[slot.index]
             self._free_indices.append(slot.index)
+            self._slots_version += 1
         return removed
 
     def retain(self, live: dict[str, str]) -> int:
@@ -137,40 +141,63 @@ class KVIndex:
     # -- queries --------------------------------------------------------------------------------------------
     def match(self, block_hashes: Sequence[int], workers: Iterable[tuple[str, str]]) -> tuple[dict[str, Match], int]:
         """For each (worker, instance id) asked: how many leading blocks of the prompt it holds, and how many
-        more it could load from the pool; and the pool's own leading blocks."""
+        more it could load from the pool; and the pool's own leading blocks.
+
+        The hot path of every kv_aware decision (512 lookups for an 8k-token prompt): one dict lookup and one
+        AND per block while every asked worker still holds the prefix, bit twiddling only when one drops out."""
+        pool = self.pool
         pool_prefix = 0
-        for h in block_hashes:
-            if h not in self.pool:
-                break
-            pool_prefix += 1
-        wanted: dict[int, str] = {}
-        for worker, instance in workers:
+        if pool:
+            for h in block_hashes:
+                if h not in pool:
+                    break
+                pool_prefix += 1
+        wanted, alive = self._wanted(workers)
+        lengths = dict.fromkeys(wanted.values(), 0)
+        if alive:
+            get = self.gpu.get
+            for n, h in enumerate(block_hashes):
+                hit = get(h, 0) & alive
+                if hit != alive:
+                    gone = alive ^ hit  # the workers whose prefix ends at block n
+                    while gone:
+                        low = gone & -gone
+                        lengths[wanted[low.bit_length() - 1]] = n
+                        gone ^= low
+                    alive = hit
+                    if not alive:
+                        break
+            n = len(block_hashes)
+            while alive:
+                low = alive & -alive
+                lengths[wanted[low.bit_length() - 1]] = n
+                alive ^= low
+        made: dict[int, Match] = {}  # one Match per distinct length: most workers share a few
+        out = {}
+        for w, g in lengths.items():
+            m = made.get(g)
+            if m is None:
+                m = made[g] = Match(g, max(0, pool_prefix - g))
+            out[w] = m
+        return out, pool_prefix
+
+    def _wanted(self, workers: Iterable[tuple[str, str]]) -> tuple[dict[int, str], int]:
+        """The asked workers' slots (slot index -> worker name) and their bitmask; the gateway asks about the same
+        workers request after request, so the last answer is kept until the workers or the slots change."""
+        pairs = tuple(workers)
+        last, version, wanted, alive = self._asked
+        if version == self._slots_version and last == pairs:
+            return wanted, alive
+        wanted = {}
+        for worker, instance in pairs:
             slot = self._slots.get((worker, instance))
             if slot is not None:
                 wanted[slot.index] = worker
-        lengths = dict.fromkeys(wanted.values(), 0)
         alive = 0
         for index in wanted:
             alive |= 1 << index
-        gpu = self.gpu
-        n = 0
-        for h in block_hashes:
-            if not alive:
-                break
-            hit = gpu.get(h, 0) & alive
-            gone = alive & ~hit
-            while gone:
-                low = gone & -gone
-                lengths[wanted[low.bit_length() - 1]] = n
-                gone ^= low
-            alive = hit
-            n += 1
-        while alive:
-            low = alive & -alive
-            lengths[wanted[low.bit_length() - 1]] = n
-            alive ^= low
-        out = {w: Match(g, max(0, pool_prefix - g)) for w, g in lengths.items()}
-        return out, pool_prefix
+        self._asked = (pairs, self._slots_version, wanted, alive)
+        return wanted, alive
 
     # -- size and snapshots -----------------------------------------------------------------------------------
     @property

@@ -197,7 +197,9 @@ class KVAware:
         return nblocks - m.gpu - self.pool_credit * m.pool
 
     def route(self, request: RequestFeatures, view: WorkerView, exclude: frozenset[str] = frozenset()) -> Decision | None:
-        decode = [w for w in view.candidates("decode") if w.name not in exclude]
+        decode = view.candidates("decode")
+        if exclude:
+            decode = [w for w in decode if w.name not in exclude]
         if not decode:
             return None
         prefill = view.candidates("prefill")
@@ -208,11 +210,18 @@ class KVAware:
         def load(w: WorkerLoad) -> float:
             return w.prefill_backlog_blocks + self.decode_weight * w.decode_blocks
 
-        def cost(w: WorkerLoad) -> tuple:
+        # cost(w) for every decode worker, inlined (this loop runs per request over every worker): the same
+        # arithmetic as overlap_weight * _new_blocks(nblocks, m) + load(w), ties by requests in flight, then name
+        overlap_weight, decode_weight, pool_credit = self.overlap_weight, self.decode_weight, self.pool_credit
+        chosen, best = decode[0], None
+        for w in decode:
             m = matches.get(w.name) if matches else None
-            return (self.overlap_weight * self._new_blocks(nblocks, m) + load(w), w.total_outstanding, w.name)
-
-        chosen = min(decode, key=cost)
+            new = float(nblocks) if m is None else nblocks - m.gpu - pool_credit * m.pool
+            key = (overlap_weight * new + ((w.pending_prefill_blocks + w.peer_pending_prefill_blocks)
+                                           + decode_weight * (w.decoding_blocks + w.peer_decoding_blocks)),
+                   w.outstanding + w.peer_outstanding, w.name)
+            if best is None or key < best:
+                chosen, best = w, key
         reason = "degraded" if degraded else "load"
         m = matches.get(chosen.name) if matches else None
         if m is not None and (m.gpu or m.pool):

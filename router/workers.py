@@ -49,6 +49,8 @@ class WorkerSet:
         self.by_name: dict[str, Worker] = {}
         self._task: asyncio.Task | None = None
         self._changed: asyncio.Event | None = None  # set (then replaced) whenever a worker's state changes
+        self._retiring: list[Worker] = []  # left membership with calls in flight
+        self._closing: set[asyncio.Task] = set()
         membership.subscribe(self.sync)
         self.sync()
 
@@ -61,7 +63,8 @@ class WorkerSet:
             info = current.get(name)
             if info is None or info.instance_id != worker.info.instance_id or info.endpoint != worker.endpoint:
                 del self.by_name[name]
-                asyncio.ensure_future(worker.channel.close()) if _loop_running() else None
+                self._retiring.append(worker)  # its channel closes once no call of ours is left on it
+        self._close_retired()
         for name, info in current.items():
             worker = self.by_name.get(name)
             if worker is None:
@@ -74,6 +77,15 @@ class WorkerSet:
             load.draining = load.draining or info.draining
             load.num_waiting, load.num_running = info.num_waiting, info.num_running
             load.kv_blocks_used, load.kv_capacity_blocks = info.kv_blocks_used, info.kv_capacity_blocks
+
+    def _close_retired(self) -> None:
+        if not _loop_running():
+            return
+        for worker in [w for w in self._retiring if w.load.outstanding <= 0]:
+            self._retiring.remove(worker)
+            task = asyncio.get_running_loop().create_task(worker.channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     @property
     def workers(self) -> list[Worker]:
@@ -160,7 +172,7 @@ class WorkerSet:
         if self._task is not None:
             self._task.cancel()
         await self.membership.close()
-        for w in self.workers:
+        for w in self.workers + self._retiring:
             await w.channel.close()
 
 

@@ -156,6 +156,7 @@ WORKER_FLAGS = ENGINE_FLAGS + [
     flag("disagg-threshold", "decode.disagg_threshold"),
     flag("drain-seconds", "prefill.drain_seconds", "decode.drain_seconds"),
     flag("redis-url", "redis.url"),
+    flag("kv-pool", "kv_pool.enabled"),
 ]
 
 
@@ -248,6 +249,7 @@ UP_FLAGS = [
     flag("kv-cache-memory", "prefill.engine.kv_cache_memory", "decode.engine.kv_cache_memory"),
     flag("redis-url", "redis.url", help="use this Redis instead of starting one (kv_aware routing, the KV pool)"),
     flag("routers", "router.replicas"),
+    flag("kv-pool", "kv_pool.enabled"),
 ]
 
 

@@ -73,8 +73,11 @@ class Launcher:
     def start_redis(self) -> None:
         """A Redis for this cluster (bundled), on a free port, gone with the launcher."""
         port = free_port(self.host)
+        # pool blocks carry a TTL, so volatile-lru evicts them (oldest use first) and never the event stream
+        memory = ["--maxmemory", self.resource.spec.kv_pool.max_memory, "--maxmemory-policy", "volatile-lru",
+                  "--notify-keyspace-events", "Ee"]
         proc = subprocess.Popen([redis_server(), "--port", str(port), "--bind", self.host, "--save", "",
-                                 "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
+                                 "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning", *memory],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
         self.procs.append(("redis", proc))
         wait_for_redis(self.host, port, proc)

@@ -37,6 +37,7 @@ from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
 from splitserve.common.redis_link import RedisLink
 from splitserve.common.redis_wire import Keys, RegistryEntry
 from splitserve.common.registry import RedisMembership, Registration
+from splitserve.common.worker_context import WorkerContext
 from splitserve.common.worker_metrics import (
     HEALTH_FLAPS,
     WORKER_KV_TOTAL,
@@ -52,7 +53,7 @@ from splitserve.prefill_worker.build import build as build_prefill
 log = logging.getLogger("splitserve.worker")
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
-RoleBuilder = Callable[[ClusterSpec, ServingEngine, Membership, str], Awaitable[Any]]
+RoleBuilder = Callable[[ClusterSpec, ServingEngine, WorkerContext], Awaitable[Any]]
 ROLES: dict[str, RoleBuilder] = {"prefill": build_prefill, "decode": build_decode, "both": build_colocated}
 
 
@@ -294,7 +295,9 @@ async def serve(resource: ClusterResource, role: str, host: str, name: str | Non
                 code = 2
             else:
                 servicer.engine = loader.result()
-                servicer.service = await ROLES[role](spec, servicer.engine, presence.membership, host)
+                ctx = WorkerContext(presence.name, presence.instance_id, host, presence.membership, presence.link,
+                                    presence.keys)
+                servicer.service = await ROLES[role](spec, servicer.engine, ctx)
                 await presence.join(servicer.engine)
                 log.info("worker %s ready", role)
                 await waiter

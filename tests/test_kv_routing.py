@@ -209,11 +209,11 @@ def test_bad_records_in_redis_are_rejected_and_counted():
         redis.cli("xadd", f"ss:v1:{tag}:kv-events", "*", "v", "9", "w", "x", "i", "y", "k", "stored", "t", "gpu",
                   "p", "12345678", "h", "123")
         redis.cli("set", f"ss:v1:{tag}:worker:ghost", "{not json", "px", "60000")
-        redis.cli("sadd", f"ss:v1:{tag}:workers", "ghost")
+        redis.cli("zadd", f"ss:v1:{tag}:workers", "99999999999999", "ghost")
         redis.cli("set", f"ss:v1:{tag}:worker:intruder", '{"v": 1, "name": "intruder", "instance_id": "x", '
                   '"role": "decode", "model": "m", "endpoint": "http://evil.example/", "metrics_url": "", '
                   '"block_size": 16, "kv_capacity_blocks": 1}', "px", "60000")
-        redis.cli("sadd", f"ss:v1:{tag}:workers", "intruder")
+        redis.cli("zadd", f"ss:v1:{tag}:workers", "99999999999999", "intruder")
         wait_until(lambda: metric_sum(gateway_metrics(up.url), "splitserve_router_index_events_total",
                                       outcome="rejected") >= 2, what="bad events to be counted")
         wait_until(lambda: metric_sum(gateway_metrics(up.url), "splitserve_registry_entries_rejected_total") >= 2,

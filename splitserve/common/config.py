@@ -280,8 +280,27 @@ class KVTransferSpec(Spec):
 
 
 class KVPoolSpec(Spec):
+    """The Redis-backed KV pool (docs/kv_pool.md): blocks outlive a worker's memory and move between workers."""
+
     enabled: bool = False
     """Keep KV blocks in the Redis KV pool and load them instead of recomputing."""
+    write_from: list[Literal["prefill", "decode"]] = Field(default_factory=lambda: ["prefill", "decode"])
+    """Which roles write the blocks they compute (a colocated worker counts as decode)."""
+    min_load_tokens: Annotated[int, Field(ge=1)] = 64
+    """Fewest prompt tokens found in the pool (beyond a worker's own cache) worth a load."""
+    prefill_tokens_per_second: Annotated[float, Field(gt=0)] | None = None
+    """The workers' prefill speed; with it, a load happens only when its estimated time (bytes over the
+    measured read bandwidth) is below recomputing. None: always load past minLoadTokens."""
+    read_timeout_seconds: Seconds = 5.0
+    """A pool read slower than this is abandoned and the prompt recomputed."""
+    write_queue_blocks: Annotated[int, Field(ge=1)] = 4096
+    """Blocks waiting to be written at most; past it new ones are dropped (and counted), never waited for."""
+    blocks_per_copy: Annotated[int, Field(ge=1)] = 32
+    """Blocks copied out of the KV cache at once between two engine steps (bounds the pause per step)."""
+    ttl_seconds: Annotated[int, Field(ge=60)] = 86400
+    """Pool blocks expire after this long; under memory pressure Redis evicts the least recently used first."""
+    max_memory: str = Field("1gb", pattern=r"^[0-9]+(b|kb|mb|gb)?$")
+    """The bundled Redis's memory limit (maxmemory); pool blocks are evicted LRU past it."""
 
 
 class ImagesSpec(Spec):

@@ -1,8 +1,10 @@
 """Every Redis key name and record splitserve writes, in one place, with a version and its validation.
 
 Keys of one served model share the hash tag `{ss:<model>}`, so a model's registry, event stream, snapshot and
-load reports live in one Redis Cluster slot (multi-key reads stay atomic); KV pool blocks (elsewhere) spread
-over all slots. Records are JSON (registry, load reports) or compact binary (events, snapshots): never pickles.
+load reports live in one Redis Cluster slot (multi-key reads stay atomic); KV pool blocks have no tag and spread
+over all slots. Leases are scores in a sorted set on the Redis server's clock, not key TTLs: the only keys with a
+TTL are KV pool blocks, so a Redis that evicts `volatile-lru` under memory pressure evicts pool blocks and never
+the registry. Records are JSON (registry, load reports) or compact binary (events, snapshots): never pickles.
 A record that does not validate raises `WireError` naming what is wrong; readers count and skip it.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,19 +38,19 @@ class Keys:
             raise ValueError(f"model name {model!r} cannot be used in a Redis key")
         self.tag = f"{{ss:{model}}}"
         p = f"ss:v{VERSION}:{self.tag}"
-        self.workers = f"{p}:workers"  # set of worker names
+        self.workers = f"{p}:workers"  # sorted set: worker name -> lease expiry (ms, Redis server clock)
         self.events = f"{p}:kv-events"  # stream of KV block events
         self.snapshot = f"{p}:kv-snapshot"  # the index as of some stream id (binary)
         self.snapshot_lock = f"{p}:kv-snapshot-lock"  # who writes the next snapshot (SET NX PX)
-        self.routers = f"{p}:routers"  # set of gateway ids
+        self.routers = f"{p}:routers"  # sorted set: gateway id -> report expiry (ms, Redis server clock)
         self._prefix = p
 
     def worker(self, name: str) -> str:
-        """A worker's registry entry (JSON, with a TTL: its lease)."""
+        """A worker's registry entry (JSON; its lease is its score in `workers`)."""
         return f"{self._prefix}:worker:{name}"
 
     def router(self, router_id: str) -> str:
-        """A gateway's in-flight load report (JSON, with a TTL)."""
+        """A gateway's in-flight load report (JSON; it expires with its score in `routers`)."""
         return f"{self._prefix}:router:{router_id}"
 
     def session(self, key: str) -> str:
@@ -226,3 +229,102 @@ def decode_load(raw: bytes | str) -> tuple[str, dict[str, tuple[int, int, int]]]
             raise WireError(f"load report: bad counts for {name}")
         load[name] = (v[0], v[1], v[2])
     return router, load
+
+
+# -- KV pool blocks ----------------------------------------------------------------------------------------
+_DTYPES = ("float32", "bfloat16", "float16")
+_BLOCK_HEAD = struct.Struct("<4sHBBHHHHQI")  # magic, version, dtype, 0, layers, block size, kv heads, head dim,
+#                                              payload bytes, crc32 of the payload
+_BLOCK_MAGIC = b"SSKB"
+
+
+@dataclass(frozen=True)
+class PoolNamespace:
+    """Where one KV layout's blocks live: blocks are shared only between workers of the same model, dtype, block
+    size, KV shape and tensor-parallel shard. Keys carry no hash tag, so a Redis Cluster spreads them over slots."""
+
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KV pool: unsupported dtype {self.dtype}")
+        if not self.model or any(c in self.model for c in "{}\n "):
+            raise ValueError(f"KV pool: model name {self.model!r} cannot be used in a key")
+
+    @property
+    def prefix(self) -> str:
+        return (f"ss:pool:v{VERSION}:{self.model}:{self.dtype}:b{self.block_size}:"
+                f"l{self.num_layers}h{self.num_kv_heads}d{self.head_dim}:tp{self.tp_rank}-{self.tp_size}:")
+
+    def key(self, block_hash: int) -> str:
+        return f"{self.prefix}{block_hash:016x}"
+
+    @property
+    def payload_bytes(self) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def encode_block(self, payload: bytes | memoryview) -> bytes:
+        if len(payload) != self.payload_bytes:
+            raise ValueError(f"KV pool: a block is {self.payload_bytes} bytes, got {len(payload)}")
+        head = _BLOCK_HEAD.pack(_BLOCK_MAGIC, VERSION, _DTYPES.index(self.dtype), 0, self.num_layers,
+                                self.block_size, self.num_kv_heads, self.head_dim, len(payload),
+                                zlib.crc32(payload))
+        return head + bytes(payload)
+
+    def decode_block(self, raw: bytes) -> memoryview:
+        """The payload of a stored block, after checking its header against this namespace and its checksum."""
+        if not isinstance(raw, bytes | bytearray) or len(raw) < _BLOCK_HEAD.size:
+            raise WireError("pool block: too short")
+        magic, version, dtype, _, layers, bs, heads, dim, n, crc = _BLOCK_HEAD.unpack_from(raw, 0)
+        if magic != _BLOCK_MAGIC or version != VERSION:
+            raise WireError("pool block: unknown format")
+        if (dtype >= len(_DTYPES) or _DTYPES[dtype] != self.dtype or (layers, bs, heads, dim) !=
+                (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim) or n != self.payload_bytes
+                or len(raw) != _BLOCK_HEAD.size + n):
+            raise WireError("pool block: header does not match this layout")
+        payload = memoryview(raw)[_BLOCK_HEAD.size :]
+        if zlib.crc32(payload) != crc:
+            raise ChecksumError("pool block: checksum mismatch")
+        return payload
+
+
+class ChecksumError(WireError):
+    """A pool block whose bytes changed after it was written."""
+
+
+def pool_hash_of_key(key: str | bytes) -> int | None:
+    """The block hash in a pool key (for eviction notices), or None if it is not a pool key."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    if not text.startswith(f"ss:pool:v{VERSION}:"):
+        return None
+    tail = text.rsplit(":", 1)[-1]
+    try:
+        return int(tail, 16) if len(tail) == 16 else None
+    except ValueError:
+        return None
+
+
+# -- leases --------------------------------------------------------------------------------------------------
+# KEYS: the record, the lease set; ARGV: member, record, lease ms. Returns 1 if the record existed before.
+LEASE_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
+return existed
+"""
+
+
+def server_ms(time_reply) -> int:
+    """Milliseconds of a Redis TIME reply (seconds, microseconds)."""
+    seconds, micros = time_reply
+    return int(seconds) * 1000 + int(micros) // 1000

@@ -1,8 +1,8 @@
 """Worker membership in Redis: each worker registers itself under a lease, and readers (gateways, decode workers)
 keep a view of the live ones.
 
-A worker's entry is a key with a TTL (the lease, a few seconds), refreshed about every second with its current
-load; its name is also in the model's worker set. A worker that stops refreshing drops out of every view when
+A worker's entry is a key holding its record; its lease is its score in the model's lease set (an expiry on the
+Redis server's clock, a few seconds ahead), refreshed with the record about every second. A worker that stops refreshing drops out of every view when
 its lease expires; one that restarts under the same name comes back with a new instance id, which tells
 readers to drop whatever they knew of the old one. A draining worker (SIGTERM, scale-down) marks its entry so,
 and gets nothing new. When Redis is unreachable, readers keep their last view.
@@ -19,7 +19,7 @@ from prometheus_client import Counter
 
 from splitserve.common.membership import WorkerInfo
 from splitserve.common.redis_link import RedisLink
-from splitserve.common.redis_wire import Keys, RegistryEntry, WireError
+from splitserve.common.redis_wire import LEASE_SCRIPT, Keys, RegistryEntry, WireError, server_ms
 
 log = logging.getLogger("splitserve.registry")
 REJECTED = Counter("splitserve_registry_entries_rejected", "Registry entries that failed validation", ["reason"])
@@ -45,11 +45,9 @@ class Registration:
         raw = entry.encode()
 
         async def put(r) -> bool:
-            pipe = r.pipeline(transaction=False)
-            pipe.set(self.keys.worker(entry.name), raw, px=self.lease_ms, get=True)
-            pipe.sadd(self.keys.workers, entry.name)
-            previous, _ = await pipe.execute()
-            return previous is not None
+            existed = await r.eval(LEASE_SCRIPT, 2, self.keys.worker(entry.name), self.keys.workers, entry.name, raw,
+                                   self.lease_ms)
+            return bool(existed)
 
         kept = await self.link.call(put, None)
         if kept is None:
@@ -86,7 +84,7 @@ class Registration:
         async def remove(r) -> None:
             pipe = r.pipeline(transaction=False)
             pipe.delete(self.keys.worker(name))
-            pipe.srem(self.keys.workers, name)
+            pipe.zrem(self.keys.workers, name)
             await pipe.execute()
 
         await self.link.call(remove)
@@ -115,19 +113,18 @@ class RedisMembership:
     async def refresh(self) -> bool:
         """Read the registry once; False (the last view kept) when Redis did not answer."""
         async def read(r):
-            names = sorted(n.decode() if isinstance(n, bytes) else n for n in await r.smembers(self.keys.workers))
-            values = await r.mget([self.keys.worker(n) for n in names]) if names else []
-            return names, values
+            live, expired = await read_leases(r, self.keys.workers)
+            values = await r.mget([self.keys.worker(n) for n in live]) if live else []
+            return live, values, expired
 
         got = await self.link.call(read)
         if got is None:
             return False
-        names, values = got
+        names, values, expired = got
         view: dict[str, RegistryEntry] = {}
-        expired = []
         for name, raw in zip(names, values, strict=True):
             if raw is None:
-                expired.append(name)  # its lease ran out
+                REJECTED.labels("missing_entry").inc()
                 continue
             try:
                 entry = RegistryEntry.decode(raw)
@@ -139,8 +136,9 @@ class RedisMembership:
                 REJECTED.labels("name_mismatch").inc()
                 continue
             view[name] = entry
-        if expired:
-            await self.link.call(lambda r: r.srem(self.keys.workers, *expired))
+        if expired:  # their leases ran out: whoever reads first clears them
+            await self.link.call(lambda r: drop_leases(r, self.keys.workers, [self.keys.worker(n) for n in expired],
+                                                       expired))
         changed = _key(view) != _key(self._view)
         self._view = view
         if changed:
@@ -170,3 +168,24 @@ def _info(e: RegistryEntry) -> WorkerInfo:
     return WorkerInfo(e.name, e.endpoint, e.role, e.model, e.instance_id, e.block_size, e.kv_capacity_blocks,
                       e.metrics_url, e.draining, e.num_waiting, e.num_running, e.kv_blocks_used,
                       e.waiting_prefill_tokens)
+
+
+async def read_leases(r, lease_set: str) -> tuple[list[str], list[str]]:
+    """Members of a lease set whose lease is still running, and those whose lease ran out (server clock)."""
+    pipe = r.pipeline(transaction=False)
+    pipe.time()
+    pipe.zrange(lease_set, 0, -1, withscores=True)
+    now_reply, members = await pipe.execute()
+    now = server_ms(now_reply)
+    live, expired = [], []
+    for member, score in members:
+        name = member.decode() if isinstance(member, bytes) else member
+        (live if score > now else expired).append(name)
+    return sorted(live), expired
+
+
+async def drop_leases(r, lease_set: str, records: list[str], members: list[str]) -> None:
+    pipe = r.pipeline(transaction=False)
+    pipe.delete(*records)
+    pipe.zrem(lease_set, *members)
+    await pipe.execute()
