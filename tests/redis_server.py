@@ -11,6 +11,8 @@ from pathlib import Path
 
 from serving import free_port
 
+from splitserve.common.proc import die_with_parent
+
 
 def binaries() -> tuple[str, str]:
     try:
@@ -60,7 +62,8 @@ class RedisServer:
                 "--protected-mode", "no", "--dir", self.dir.name, *self.extra]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(Path(self.dir.name) / "nodes.conf")]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=die_with_parent)  # never outlives the test run
         self.wait()
 
     def cli(self, *args: str) -> str:
@@ -90,6 +93,14 @@ class RedisCluster:
     """Three masters on loopback, slots spread by `redis-cli --cluster create`."""
 
     def __init__(self) -> None:
+        self.nodes: list[RedisServer] = []
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def _create(self) -> None:
         self.nodes = [RedisServer(cluster=True) for _ in range(3)]
         _, cli = binaries()
         res = subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import queue
 import re
 import signal
 import socket
@@ -27,14 +28,19 @@ class Up:
         self.proc = subprocess.Popen([str(exe), "up", "--port", str(self.port), *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
+        self.stdout: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._drain, daemon=True).start()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.port}"
         self.components: dict = {}
         deadline = time.monotonic() + timeout
         ready = False
         while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
+            try:
+                line = self.stdout.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if line is None:
                 break
             if "ready" in line:
                 ready = True
@@ -49,6 +55,11 @@ class Up:
     def _drain(self) -> None:
         for line in self.proc.stderr:
             self.stderr.append(line)
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            self.stdout.put(line)
+        self.stdout.put(None)
 
     def metrics(self, role: str, index: int = 0) -> dict[str, float]:
         """A worker's /metrics as {'name{labels}': value}."""

@@ -324,7 +324,9 @@ return existed
 """
 
 
-def server_ms(time_reply) -> int:
-    """Milliseconds of a Redis TIME reply (seconds, microseconds)."""
-    seconds, micros = time_reply
-    return int(seconds) * 1000 + int(micros) // 1000
+# KEYS: the lease set. Returns {now ms, {member, expiry, member, expiry, ...}} (one slot: works on a cluster).
+READ_LEASES_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {now, redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')}
+"""

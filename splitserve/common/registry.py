@@ -19,7 +19,7 @@ from prometheus_client import Counter
 
 from splitserve.common.membership import WorkerInfo
 from splitserve.common.redis_link import RedisLink
-from splitserve.common.redis_wire import LEASE_SCRIPT, Keys, RegistryEntry, WireError, server_ms
+from splitserve.common.redis_wire import LEASE_SCRIPT, READ_LEASES_SCRIPT, Keys, RegistryEntry, WireError
 
 log = logging.getLogger("splitserve.registry")
 REJECTED = Counter("splitserve_registry_entries_rejected", "Registry entries that failed validation", ["reason"])
@@ -172,15 +172,11 @@ def _info(e: RegistryEntry) -> WorkerInfo:
 
 async def read_leases(r, lease_set: str) -> tuple[list[str], list[str]]:
     """Members of a lease set whose lease is still running, and those whose lease ran out (server clock)."""
-    pipe = r.pipeline(transaction=False)
-    pipe.time()
-    pipe.zrange(lease_set, 0, -1, withscores=True)
-    now_reply, members = await pipe.execute()
-    now = server_ms(now_reply)
+    now, flat = await r.eval(READ_LEASES_SCRIPT, 1, lease_set)
     live, expired = [], []
-    for member, score in members:
+    for member, score in zip(flat[::2], flat[1::2], strict=True):
         name = member.decode() if isinstance(member, bytes) else member
-        (live if score > now else expired).append(name)
+        (live if float(score) > int(now) else expired).append(name)
     return sorted(live), expired
 
 
