@@ -255,11 +255,17 @@ UP_FLAGS = [
 
 @app.command("up")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address every process binds")
+@click.option("--dry-run", is_flag=True, help="print the effective SplitServeCluster document and exit")
 @config_command(UP_FLAGS, file_option="--file")
-def up(resource: ClusterResource, host: str) -> None:
+def up(resource: ClusterResource, host: str, dry_run: bool) -> None:
     """Start the gateway plus prefill and decode workers as local processes; Ctrl-C stops them all."""
     from splitserve.launcher import run
 
+    if dry_run:
+        from splitserve.common.config_file import dump
+
+        click.echo(dump(resource), nl=False)
+        return
     setup_logging()
     _prepare(resource)
     sys.exit(run(resource, host))

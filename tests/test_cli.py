@@ -102,3 +102,14 @@ def test_package_imports_from_outside_the_repo(tmp_path):
     res = subprocess.run([sys.executable, "-c", "import splitserve.engine, splitserve.kv_transfer; print('ok')"],
                          cwd=tmp_path, capture_output=True, text=True)
     assert res.stdout.strip() == "ok", res.stderr
+
+
+def test_readme_up_commands_are_valid():
+    """Every `splitserve up` in the README parses into a valid cluster (run for real elsewhere: test_config,
+    test_kv_routing, test_kv_pool)."""
+    ups = [c for c in readme_commands() if c[0] == "up"]
+    assert len(ups) >= 3, "README lost its up examples"
+    for cmd in ups:
+        res = run([*cmd, "--dry-run"], cwd=ROOT)
+        assert res.returncode == 0, (cmd, res.stderr)
+        assert "kind: SplitServeCluster" in res.stdout
