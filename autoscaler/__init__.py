@@ -1,2 +1,5 @@
-"""splitserve.autoscaler: the control law, Kubernetes operator, local actuator and simulator that set prefill and
-decode replica counts from queue depth and TTFT/ITL against SLOs. Not built yet."""
+"""splitserve.autoscaler: the SLO control law that sets prefill and decode replicas from queue depth and TTFT/ITL
+against the objectives (`law.decide`: observations in, a decision with its reason out), the replica profile it
+sizes pools with, and a trace-driven simulator (`autoscaler.sim`) that runs the same law against the router's
+real policy objects. Kubernetes (the operator), `splitserve up --autoscale` and the simulator are its
+actuators. No torch, no engine."""

@@ -27,7 +27,7 @@ from splitserve.router import metrics as m
 from splitserve.router.cluster import ClusterState
 from splitserve.router.errors import APIError, bad
 from splitserve.router.openai_protocol import GenerationSpec
-from splitserve.router.policy import RequestFeatures, RoutingPolicy, WorkerLoad, make_policy
+from splitserve.router.policy import Charge, RequestFeatures, RoutingPolicy, make_policy
 from splitserve.router.workers import WorkerSet
 
 log = logging.getLogger("splitserve.router")
@@ -44,36 +44,6 @@ class Piece:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-
-
-class _Charge:
-    """One request's share of its workers' load while it runs: blocks waiting for their prefill (on whichever
-    worker computes the prompt), then blocks decoding (on the decode worker)."""
-
-    def __init__(self, decode: WorkerLoad, prefill: WorkerLoad | None, blocks: int, new_blocks: int) -> None:
-        self.decode, self.prefill, self.blocks = decode, prefill, blocks
-        self.computing = prefill or decode
-        self.new_blocks = new_blocks
-        decode.outstanding += 1
-        if prefill:
-            prefill.outstanding += 1
-        self.computing.pending_prefill_blocks += new_blocks
-        self.decoding = False
-
-    def first_token(self) -> None:
-        if not self.decoding:
-            self.decoding = True
-            self.computing.pending_prefill_blocks -= self.new_blocks
-            self.decode.decoding_blocks += self.blocks
-
-    def release(self) -> None:
-        if self.decoding:
-            self.decode.decoding_blocks -= self.blocks
-        else:
-            self.computing.pending_prefill_blocks -= self.new_blocks
-        self.decode.outstanding -= 1
-        if self.prefill:
-            self.prefill.outstanding -= 1
 
 
 class Gateway:
@@ -167,7 +137,7 @@ class Gateway:
             sent_any = False
             bs = self.spec.model.block_size
             blocks = -(-request.num_prompt_tokens // bs)
-            charge = _Charge(decode, prefill, blocks, blocks - decision.cached_tokens // bs)
+            charge = Charge(decode, prefill, blocks, blocks - decision.cached_tokens // bs)
             call = worker.stub.Generate(req)
             try:
                 async for piece in self._pieces(call, gen):

@@ -79,6 +79,38 @@ class WorkerLoad:
         return self.role == role or (role == "decode" and self.role == "both")
 
 
+class Charge:
+    """One request's share of its workers' load while it runs, as a gateway accounts it (and the simulator, the
+    same way): outstanding on both named workers; blocks waiting for their prefill on whichever worker
+    computes the prompt; then, from the first token, blocks decoding on the decode worker."""
+
+    __slots__ = ("decode", "prefill", "computing", "blocks", "new_blocks", "decoding")
+
+    def __init__(self, decode: WorkerLoad, prefill: WorkerLoad | None, blocks: int, new_blocks: int) -> None:
+        self.decode, self.prefill, self.blocks, self.new_blocks = decode, prefill, blocks, new_blocks
+        self.computing = prefill or decode
+        self.decoding = False
+        decode.outstanding += 1
+        if prefill is not None:
+            prefill.outstanding += 1
+        self.computing.pending_prefill_blocks += new_blocks
+
+    def first_token(self) -> None:
+        if not self.decoding:
+            self.decoding = True
+            self.computing.pending_prefill_blocks -= self.new_blocks
+            self.decode.decoding_blocks += self.blocks
+
+    def release(self) -> None:
+        if self.decoding:
+            self.decode.decoding_blocks -= self.blocks
+        else:
+            self.computing.pending_prefill_blocks -= self.new_blocks
+        self.decode.outstanding -= 1
+        if self.prefill is not None:
+            self.prefill.outstanding -= 1
+
+
 class WorkerView(Protocol):
     def candidates(self, role: str) -> list[WorkerLoad]:
         """Workers that can take `role`'s part of a request now (healthy, not draining)."""

@@ -13,7 +13,9 @@ from typing import Any
 
 import click
 
+from splitserve.cli_k8s import crd, operator
 from splitserve.cli_options import config_command, flag
+from splitserve.cli_simulate import simulate
 from splitserve.common.config import ClusterResource
 from splitserve.common.logs import setup_logging
 
@@ -338,11 +340,10 @@ def bench(url: str, model: str, num_requests: int, rate: float, trace: str | Non
         print(json.dumps(summary))
 
 
-# -- Kubernetes -------------------------------------------------------------------------------------------
-
-
-
-
+# -- commands that live in their own modules: Kubernetes, the autoscaling simulator -----------------------
+app.add_command(operator)
+app.add_command(crd)
+app.add_command(simulate)
 
 
 def main() -> None:

@@ -1,0 +1,58 @@
+# syntax=docker/dockerfile:1
+# splitserve's two images. Each installs with the same Makefile target CI's tests exercise, so an image gets
+# exactly what `make` installs:
+#   docker build --target gateway -t ghcr.io/splitserve/gateway:0.1.0 .   # gateway + operator, no torch
+#   docker build --target worker  -t ghcr.io/splitserve/worker:0.1.0 .    # CUDA torch, NIXL, the embedded model
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+
+# -- the source, once -------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS source
+WORKDIR /src
+COPY pyproject.toml README.md Makefile ./
+COPY splitserve/ splitserve/
+COPY engine/ engine/
+COPY router/ router/
+COPY prefill_worker/ prefill_worker/
+COPY decode_worker/ decode_worker/
+COPY kv_transfer/ kv_transfer/
+COPY autoscaler/ autoscaler/
+
+# -- gateway and operator: no torch -----------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS gateway
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends make \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 10001 --create-home --shell /usr/sbin/nologin splitserve
+WORKDIR /src
+COPY --from=source /src /src
+RUN make install-gateway VENV=/opt/splitserve PYTHON=python3 \
+    && rm -rf /src
+ENV PATH=/opt/splitserve/bin:$PATH
+WORKDIR /home/splitserve
+USER 10001
+EXPOSE 8000
+ENTRYPOINT ["splitserve"]
+CMD ["router", "--config", "/etc/splitserve/cluster.yaml", "--host", "0.0.0.0"]
+
+# -- worker: CUDA runtime, CUDA torch, NIXL ---------------------------------------------------------------
+FROM ${CUDA_IMAGE} AS worker
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    NCCL_NVLS_ENABLE=0
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv make \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 10001 --create-home --shell /usr/sbin/nologin splitserve
+WORKDIR /src
+COPY --from=source /src /src
+# PyPI's Linux torch wheel is the CUDA build; TORCH_SPEC picks the version.
+RUN make install-worker VENV=/opt/splitserve PYTHON=python3 \
+    && rm -rf /src
+ENV PATH=/opt/splitserve/bin:$PATH
+WORKDIR /home/splitserve
+USER 10001
+EXPOSE 50051 50061 9100
+ENTRYPOINT ["splitserve"]
+CMD ["worker", "--config", "/etc/splitserve/cluster.yaml", "--host", "0.0.0.0"]

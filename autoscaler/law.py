@@ -1,0 +1,386 @@
+"""The control law: `decide(observation, state, config)` → a `ScalingDecision` (desired prefill and decode
+replicas, a reason, the next state). A pure function: no clock, no I/O; Kubernetes, `splitserve up` and the
+simulator are its actuators.
+
+Two loops per role, then the hard bounds:
+- the slow planner, every `planner_interval_s`, sizes the pool from the forecast need (planner.py) read a
+  model load time ahead, at `target_utilization` of each replica's capacity at the SLO, plus `warm_replicas`;
+- the fast loop, every call, reacts to a burst (a prefill queue that takes longer than part of the TTFT
+  objective to drain; decode requests waiting for KV or seats) and to SLO misses, attributed to the role
+  whose queue explains them; it sizes for the load now plus the backlog, skipping the planner's schedule;
+- two slow corrections learned from measurements: prefill's busy time against the profile's prediction, and
+  an integral loop that lowers a role's target utilisation while its latency p90 misses the objective (and
+  raises it, up to `max_utilization`, while every p90 is well inside).
+Scale-up: to the larger of the two targets, at most once per `scale_up_cooldown_s`. Scale-down: only when the
+utilisation would stay under `low_utilization`, no pressure is seen, `scale_down_cooldown_s` has passed since
+the role's last change, and to the largest target recommended over the stabilisation window (the cooldown,
+stretched after a scale-down a burst proved wrong; no flapping). Finally `bounds.clamp` applies min/max, the
+ratio bounds and the GPU budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from splitserve.autoscaler.bounds import Bounds, clamp
+from splitserve.autoscaler.observations import Observation, Percentiles, RoleObservation
+from splitserve.autoscaler.planner import Needs, forecast, needs
+from splitserve.autoscaler.profile import KV_HEADROOM, ReplicaProfile, capacity_at_slo
+from splitserve.common.config import ClusterSpec
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class LawConfig:
+    """The law's parameters: the cluster's config (SLOs, cooldowns, bounds) and the replica profile."""
+
+    profile: ReplicaProfile  # step costs and KV capacity of one replica (capacity at the SLO comes from it)
+    bounds: Bounds = field(default_factory=Bounds)
+    ttft_s: float = 2.0  # TTFT objective (p90)
+    itl_s: float = 0.1  # ITL objective (p90)
+    scale_up_cooldown_s: float = 30.0  # least time between two scale-ups of a role
+    scale_down_cooldown_s: float = 300.0  # least time after a role's last change before it scales down
+    planner_interval_s: float = 60.0  # the slow loop's period
+    model_load_s: float = 60.0  # s from asking for a replica to its first request: the forecast's lead
+    warm_replicas: int = 0  # replicas per role kept above the planned need
+    target_utilization: float = 0.8  # of a replica flat out, where a change lands (prefill: or lower, for TTFT)
+    high_utilization: float = 0.9  # above this (forecast), scale up (scaled with the target for prefill)
+    low_utilization: float = 0.6  # below this (forecast and now), scale down (likewise)
+    burst_queue_fraction: float = 0.5  # a prefill queue draining slower than this x TTFT objective is a burst
+    kv_high: float = 0.9  # decode KV usage above which waiting requests mean decode is short
+    trend_window_s: float = 300.0  # the forecast's line fits the need over this much history (at least half)
+    max_forecast_growth: float = 0.15  # the forecast rises at most this fraction above the line's value now
+    smoothing_s: float = 60.0  # the need now is its mean over this much history
+    correction_gain: float = 0.2  # per observation, how fast the prefill cost correction follows measurements
+    min_slo_factor: float = 0.3  # SLO misses may lower a role's utilisation target down to this fraction of it
+    max_utilization: float = 0.95  # slack under the objectives may raise a role's utilisation target up to this
+    max_hold_factor: float = 4.0  # regret may stretch the stabilisation window up to this x the cooldown
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_utilization < self.target_utilization < self.high_utilization <= 1.0:
+            raise ValueError("utilization: need 0 < low_utilization < target_utilization < high_utilization <= 1")
+
+    @classmethod
+    def from_spec(cls, spec: ClusterSpec, profile: ReplicaProfile, **overrides: Any) -> LawConfig:
+        """The law for a SplitServeCluster spec (what the operator and `splitserve up --autoscale` run)."""
+        a = spec.autoscaling
+        bounds = Bounds.from_spec(spec)
+        target = a.target_utilization
+        values: dict[str, Any] = dict(
+            profile=profile, bounds=bounds, ttft_s=spec.slo.ttft_seconds, itl_s=spec.slo.itl_seconds,
+            scale_up_cooldown_s=a.scale_up_cooldown_seconds, scale_down_cooldown_s=a.scale_down_cooldown_seconds,
+            planner_interval_s=a.planner_interval_seconds, model_load_s=a.model_load_seconds,
+            warm_replicas=a.warm_replicas, target_utilization=target,
+            high_utilization=min(1.0, target + 0.1), low_utilization=max(0.05, target - 0.2))
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """The law's memory of one role between calls."""
+
+    last_up: float = -math.inf  # s, last scale-up
+    last_change: float = -math.inf  # s, last change either way
+    history: tuple[tuple[float, float], ...] = ()  # (s, need in replicas) over the trend window
+    planned: float | None = None  # the planner's need at its last run (replicas, before utilisation)
+    planned_at: float = -math.inf  # s
+    recent: tuple[tuple[float, int], ...] = ()  # (s, target) over the last scale-down cooldown
+    correction: float = 1.0  # measured prefill busy time / the profile's prediction (smoothed)
+    slo_factor: float = 1.0  # the role's utilisation target is scaled by this, lowered while the SLO is missed
+    mean_input: float = 0.0  # prompt tokens per request, smoothed over minutes (prefill's queueing headroom)
+    last_down: float = -math.inf  # s, last scale-down
+    last_burst: float = -math.inf  # s, last burst the fast loop answered
+    hold_s: float = 0.0  # s, the stabilisation window now (0: the scale-down cooldown); grows on regret
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    """The law's whole memory: an actuator passes back what the last decision returned (and may keep it in
+    the custom resource's status, `to_json`/`from_json`, to survive a restart)."""
+
+    prefill: RoleState = field(default_factory=RoleState)
+    decode: RoleState = field(default_factory=RoleState)
+
+    def role(self, name: str) -> RoleState:
+        return self.prefill if name == "prefill" else self.decode
+
+    def to_json(self) -> dict[str, Any]:
+        def enc(v: Any) -> Any:
+            return None if isinstance(v, float) and math.isinf(v) else v  # JSON has no infinity
+
+        return {role: {k: enc(v) for k, v in asdict(self.role(role)).items()} for role in ROLES}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ControllerState:
+        def role(d: dict[str, Any]) -> RoleState:
+            d = dict(d)
+            for k in ("last_up", "last_change", "planned_at", "last_down", "last_burst"):
+                d[k] = -math.inf if d.get(k) is None else d[k]
+            d["history"] = tuple(tuple(x) for x in d.get("history", ()))
+            d["recent"] = tuple(tuple(x) for x in d.get("recent", ()))
+            return RoleState(**d)
+
+        return cls(prefill=role(data["prefill"]), decode=role(data["decode"]))
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    role: str
+    current: int  # replicas ready + starting when the law looked
+    desired: int  # after the bounds
+    action: str  # up | down | hold
+    reason: str
+    need: float  # replicas this window's load keeps busy (flat out)
+    planned: float  # the planner's need: forecast a cold start ahead, smoothed
+    utilization: float  # the target utilisation the desired count was sized at
+
+
+@dataclass(frozen=True)
+class ScalingDecision:
+    """What every actuator applies: desired replicas per role, with the reason and the next state."""
+
+    time: float
+    prefill: RoleDecision
+    decode: RoleDecision
+    clamps: tuple[str, ...]  # the bounds that moved the loops' targets
+    state: ControllerState
+
+    @property
+    def replicas(self) -> dict[str, int]:
+        return {"prefill": self.prefill.desired, "decode": self.decode.desired}
+
+    @property
+    def changed(self) -> bool:
+        return self.prefill.desired != self.prefill.current or self.decode.desired != self.decode.current
+
+    @property
+    def reason(self) -> str:
+        text = f"prefill {self.prefill.reason}; decode {self.decode.reason}"
+        return text + (f"; clamped by {', '.join(self.clamps)}" if self.clamps else "")
+
+    def as_status(self) -> dict[str, Any]:
+        """JSON for the custom resource's status, the exported metrics and the local launcher's log."""
+        return {"time": self.time, "reason": self.reason, "clamps": list(self.clamps),
+                **{r.role: {"current": r.current, "desired": r.desired, "action": r.action, "reason": r.reason,
+                            "need": round(r.need, 3), "planned": round(r.planned, 3),
+                            "utilization": round(r.utilization, 3)}
+                   for r in (self.prefill, self.decode)}}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One role's wish before the bounds."""
+
+    target: int
+    reason: str
+    state: RoleState
+    need: float
+    planned: float
+    utilization: float
+
+
+def decide(obs: Observation, state: ControllerState, config: LawConfig) -> ScalingDecision:
+    """One decision from one observation. Deterministic: same inputs, same decision."""
+    n = needs(obs, config.profile, config.ttft_s, config.itl_s)
+    plans = {role: _role(role, obs, n, state.role(role), config) for role in ROLES}
+    if not config.bounds.disaggregated:
+        plans["prefill"] = _Plan(0, "none (colocated)", state.prefill, 0.0, 0.0, 0.0)
+    floors = (math.ceil(plans["prefill"].need - 1e-9), math.ceil(plans["decode"].need - 1e-9))
+    p, d, notes = clamp(plans["prefill"].target, plans["decode"].target, config.bounds, floors)
+    out: dict[str, tuple[RoleDecision, RoleState]] = {}
+    for role, desired in (("prefill", p), ("decode", d)):
+        plan = plans[role]
+        current = obs.role(role).replicas
+        action = "up" if desired > current else "down" if desired < current else "hold"
+        reason = plan.reason + (f" -> {desired} (bounds)" if desired != plan.target else "")
+        rs = plan.state
+        if action == "up":
+            rs = replace(rs, last_up=obs.time, last_change=obs.time)
+        elif action == "down":
+            rs = replace(rs, last_change=obs.time, last_down=obs.time)
+        out[role] = (RoleDecision(role, current, desired, action, reason, plan.need, plan.planned,
+                                  plan.utilization), rs)
+    new_state = ControllerState(prefill=out["prefill"][1], decode=out["decode"][1])
+    return ScalingDecision(obs.time, out["prefill"][0], out["decode"][0], tuple(notes), new_state)
+
+
+def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) -> _Plan:
+    ro = obs.role(role)
+    now = obs.time
+    rs = _correct(role, ro, n, rs, c)
+    need = _measured_need(role, ro, n, rs, c)
+    u = c.target_utilization * rs.slo_factor
+    if role == "prefill":  # the TTFT objective's queueing headroom, at the mean prompt of the last minutes
+        mean_in = ro.mean_input_tokens if ro.arrival_rate > 0 else rs.mean_input
+        rs = replace(rs, mean_input=mean_in if rs.mean_input <= 0 else 0.9 * rs.mean_input + 0.1 * mean_in)
+        ceiling = capacity_at_slo(c.profile, c.ttft_s, c.itl_s, max(1.0, rs.mean_input), 1.0).prefill_utilization
+        u = min(c.target_utilization, ceiling) * rs.slo_factor
+    high, low = u * c.high_utilization / c.target_utilization, u * c.low_utilization / c.target_utilization
+    if not rs.history:  # first sight: count the start as a change, so scale-down waits a full cooldown
+        rs = replace(rs, last_change=now)
+    history = tuple(x for x in rs.history if now - x[0] < c.trend_window_s) + ((now, need),)
+    rs = replace(rs, history=history)
+    # slow loop: re-plan once per planner period, from the forecast a cold start ahead
+    recent_need = [v for t, v in history if now - t < c.smoothing_s]
+    smooth = sum(recent_need) / len(recent_need)  # one bursty window is the fast loop's business, not the plan's
+    if rs.planned is None or now - rs.planned_at >= c.planner_interval_s:
+        ahead = forecast(history, now, c.model_load_s + c.planner_interval_s, c.trend_window_s / 2,
+                         c.max_forecast_growth)
+        rs = replace(rs, planned=max(smooth, ahead), planned_at=now)
+    planned = max(rs.planned or 0.0, smooth)  # a rise since the last plan counts at once
+    current = ro.replicas
+    base = current - c.warm_replicas  # replicas that carry the need; the warm ones wait for bursts
+    target = _at(planned, u) + c.warm_replicas
+    # fast loop: a burst is sized on this window's load (not the smoothed one) plus the backlog
+    burst, why = _pressure(role, ro, obs, n, c)
+    if burst:
+        target = max(target, _at(max(planned, need) + _backlog_need(role, ro, n, c), u) + c.warm_replicas,
+                     current + 1 if ro.replicas_starting == 0 else current)
+    rs = _hold(rs, burst, now, c)
+    recent = tuple((t, v) for t, v in rs.recent if now - t < rs.hold_s) + ((now, target),)
+    rs = replace(rs, recent=recent)
+
+    def plan(replicas: int, reason: str) -> _Plan:
+        return _Plan(replicas, reason, rs, need, planned, u)
+
+    if target > current and (burst or planned > high * max(base, 0) or base <= 0):
+        if now - rs.last_up < c.scale_up_cooldown_s:
+            return plan(current, f"hold {current}: up to {target} waits for the scale-up cooldown ({why or 'load'})")
+        return plan(target, f"up {current}->{target}: " + (why or f"planned need {planned:.2f} replicas > "
+                                                              f"{high:.2f} of {max(base, 0)}"))
+    if burst:
+        return plan(current, f"hold {current}: {why}, replicas already starting")
+    stable = max(v for _, v in recent)
+    if (stable < current and planned < low * base and _calm(role, ro, c)
+            and now - rs.last_change >= c.scale_down_cooldown_s):
+        return plan(stable, f"down {current}->{stable}: need {planned:.2f} < {low:.2f} of {base} "
+                            f"for {rs.hold_s:g} s")
+    util = planned / base if base > 0 else 0.0
+    return plan(current, f"hold {current}: utilisation {util:.2f} (target {u:.2f})")
+
+
+def _hold(rs: RoleState, burst: bool, now: float, c: LawConfig) -> RoleState:
+    """The stabilisation window (scale-down keeps the largest target seen over it), learned from regret.
+
+    A burst that needs replicas within a cold start after a scale-down means that scale-down was a mistake the
+    cold start cannot undo in time: the window doubles (up to `max_hold_factor` x the cooldown), so capacity
+    for bursts that recur every few minutes stays. A whole window without a burst halves it back."""
+    hold = rs.hold_s or c.scale_down_cooldown_s
+    if burst:
+        if now - rs.last_down < c.model_load_s + rs.hold_s + c.scale_up_cooldown_s and now - rs.last_burst > hold / 4:
+            hold = min(c.max_hold_factor * c.scale_down_cooldown_s, 2 * hold)
+        return replace(rs, hold_s=hold, last_burst=now)
+    if now - rs.last_burst > hold and hold > c.scale_down_cooldown_s:
+        hold = max(c.scale_down_cooldown_s, hold / 2)
+        return replace(rs, hold_s=hold, last_burst=now - hold / 2)  # halve at most once per half window
+    return replace(rs, hold_s=hold)
+
+
+def _correct(role: str, ro: RoleObservation, n: Needs, rs: RoleState, c: LawConfig) -> RoleState:
+    """Learn from measurements where the profile is off for this traffic.
+
+    - Cost (prefill): the profile prices the mean prompt; real prompts vary (attention grows with the square of
+      the length) and hit prefix caches, so the busy fraction of unsaturated replicas corrects it, slowly.
+    - Queueing (both): the utilisation a role can run at within its objective depends on the spread of the work
+      (one long prompt holds a replica while short ones queue). A p90 over the objective lowers this role's
+      utilisation target by 7% (not while its new replicas load); a p90 under half of it lets it creep back
+      by 2% when even the p99 is, up to `max_utilization` (an integral loop on the SLO: a role far inside its
+      objectives, such as decode whose steps take a tenth of the ITL objective, runs fuller). For prefill the latency is the queue wait before a prompt's first step,
+      against the part of the TTFT objective a queue may take: more replicas shorten queues, not prompts (a
+      prompt whose prefill alone exceeds the objective must not push the pool up forever).
+    """
+    if role == "prefill" and ro.replicas_ready and n.prefill >= 0.05 and 0.02 < ro.busy_fraction < 0.9:
+        ratio = min(4.0, max(0.5, ro.busy_fraction * ro.replicas_ready / n.prefill))
+        rs = replace(rs, correction=(1 - c.correction_gain) * rs.correction + c.correction_gain * ratio)
+    signals = [(lat, obj) for lat, obj, _ in _latencies(role, ro, c) if lat.p90 is not None]
+    # no wind-up: while this role's new replicas load, the misses are already being answered
+    if any(lat.p90 > obj for lat, obj in signals) and ro.replicas_starting == 0:
+        rs = replace(rs, slo_factor=max(c.min_slo_factor, rs.slo_factor * 0.93))
+    elif signals and all(lat.p99 is not None and lat.p99 < obj / 2 for lat, obj in signals):  # the tail too
+        rs = replace(rs, slo_factor=min(c.max_utilization / c.target_utilization, rs.slo_factor * 1.02))
+    return rs
+
+
+def _latency(role: str, ro: RoleObservation, c: LawConfig) -> tuple[Percentiles, float, str]:
+    """The latency replicas of this role shorten most, its objective and its name: prefill's queue wait (or,
+    where the workers do not report it, TTFT against the whole objective); decode's inter-token latency."""
+    return _latencies(role, ro, c)[0]
+
+
+def _latencies(role: str, ro: RoleObservation, c: LawConfig) -> list[tuple[Percentiles, float, str]]:
+    """Every latency this role's replicas shorten, with its objective: for decode also the wait of a request
+    between its KV landing and its first decode step (seats and KV are decode's share of TTFT)."""
+    queue_budget = c.burst_queue_fraction * c.ttft_s  # the part of the TTFT objective a queue may take
+    if role == "decode":
+        out = [(ro.itl, c.itl_s, "ITL")]
+        return out + [(ro.queue_wait, queue_budget, "decode admission wait")] if ro.queue_wait.count else out
+    if ro.queue_wait.count:
+        return [(ro.queue_wait, queue_budget, "prefill queue wait")]
+    return [(ro.ttft, c.ttft_s, "TTFT")]
+
+
+def _measured_need(role: str, ro: RoleObservation, n: Needs, rs: RoleState, c: LawConfig) -> float:
+    """This window's need: the profile's, corrected (prefill), or what decode holds now if that is more
+    (its KV and seats in use: requests stay for their whole output, so occupancy is load too)."""
+    if role == "prefill":
+        return n.prefill * rs.correction
+    occupancy = max(ro.kv_usage / KV_HEADROOM,
+                    ro.num_running / (max(1, ro.replicas_ready) * c.profile.max_num_seqs)) * ro.replicas_ready
+    return max(n.decode, occupancy)
+
+
+def _at(need: float, utilization: float) -> int:
+    return max(0, math.ceil(need / utilization - 1e-9))
+
+
+def _pressure(role: str, ro: RoleObservation, obs: Observation, n: Needs, c: LawConfig) -> tuple[bool, str]:
+    """Is this role the one queueing or missing its objective now, and why."""
+    d = obs.decode
+    if role == "prefill":
+        if ro.replicas_ready == 0 and (ro.num_waiting > 0 or ro.arrival_rate > 0):
+            return True, "no ready prefill replica"
+        if n.prefill_backlog_s > c.burst_queue_fraction * c.ttft_s:
+            return True, (f"queue of {ro.waiting_prefill_tokens} tokens drains in {n.prefill_backlog_s:.2f} s "
+                          f"> {c.burst_queue_fraction:g} x TTFT objective")
+        latency, objective, name = _latency(role, ro, c)
+        if (latency.over(objective) and ro.num_waiting > ro.replicas_ready
+                and not _decode_short(d, c, n.capacity.decode_step_s)):
+            return True, f"{name} p90 {latency.p90:.2f} s > {objective:g} s with {ro.num_waiting} prompts queued"
+        return False, ""
+    if ro.itl.over(c.itl_s):
+        return True, f"ITL p90 {ro.itl.p90 * 1e3:.0f} ms > {c.itl_s * 1e3:.0f} ms"
+    if _decode_short(ro, c, n.capacity.decode_step_s):
+        return True, f"{ro.num_waiting} requests wait for decode KV or seats (KV {ro.kv_usage:.0%})"
+    return False, ""
+
+
+def _decode_short(d: RoleObservation, c: LawConfig, step_s: float) -> bool:
+    """Decode workers hold requests back for KV blocks or seats long enough to hurt TTFT (decode's fault).
+
+    A seat frees when a running request ends: about running / (mean output x step) seats per second, so the
+    queue waits about waiting / that; a burst is when that is a good part of the TTFT objective."""
+    seats_full = d.num_running >= 0.9 * d.replicas_ready * c.profile.max_num_seqs
+    if d.num_waiting <= max(1, d.replicas_ready) or not (d.kv_usage > c.kv_high or seats_full):
+        return False
+    turnover = d.num_running / max(1e-9, max(1.0, d.mean_output_tokens) * step_s)  # seats freed per s
+    return d.num_waiting / max(turnover, 1e-9) > c.burst_queue_fraction * c.ttft_s
+
+
+def _backlog_need(role: str, ro: RoleObservation, n: Needs, c: LawConfig) -> float:
+    """Extra replicas to clear the backlog within a cold start (new replicas help only once loaded)."""
+    horizon = c.model_load_s + c.ttft_s
+    if role == "prefill":
+        return ro.waiting_prefill_tokens / (n.capacity.prefill_raw_tokens_per_s * horizon)
+    return ro.num_waiting * ro.mean_output_tokens / (n.capacity.decode_tokens_per_s * horizon)
+
+
+def _calm(role: str, ro: RoleObservation, c: LawConfig) -> bool:
+    """No sign of trouble: scale-down may go ahead."""
+    latency, objective, _ = _latency(role, ro, c)
+    if role == "prefill":
+        return not latency.over(objective) and ro.num_waiting <= ro.replicas_ready
+    return not latency.over(objective) and ro.num_waiting == 0 and ro.kv_usage < c.kv_high

@@ -1,0 +1,46 @@
+"""Specs the schema accepts but no deployment can realise, found before anything is applied. Each problem is an
+`Unrealisable` (a CamelCase reason and a one-line message naming the field), reported as the Degraded condition.
+"""
+
+from __future__ import annotations
+
+import re
+
+from splitserve.autoscaler.operator.crd import NAME_MAX
+from splitserve.autoscaler.operator.replicas import Unrealisable
+from splitserve.common.config import ClusterResource, RoleSpec
+
+GPU = "nvidia.com/gpu"
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def gpus_per_pod(role: RoleSpec) -> int | None:
+    """The GPUs a role's pod asks for (limits first, as the device plugin reads them); None: not said."""
+    for section in ("limits", "requests"):
+        value = role.resources.get(section, {}).get(GPU)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def check(resource: ClusterResource) -> None:
+    """Raise Unrealisable for the first problem found."""
+    name, spec = resource.metadata.name, resource.spec
+    if not _DNS_1035.match(name) or len(name) > NAME_MAX:
+        raise Unrealisable("InvalidName", f"metadata.name: {name!r} must be a DNS label that starts with a letter, "
+                                          f"at most {NAME_MAX} characters")
+    redis = spec.redis
+    if redis.mode == "external" and not redis.url and redis.url_secret is None:
+        raise Unrealisable("RedisURLMissing", "redis.mode is external but neither redis.url nor redis.urlSecret is set")
+    tp = spec.model.tensor_parallel_size
+    if spec.mode == "disaggregated" and tp > 1:
+        raise Unrealisable("ShardedDisaggregationUnsupported",
+                           f"model.tensorParallelSize {tp} needs mode: colocated (streaming KV between sharded prefill "
+                           "and decode workers is not supported yet)")
+    roles = [("decode", spec.decode)] + ([("prefill", spec.prefill)] if spec.mode == "disaggregated" else [])
+    for role_name, role in roles:
+        gpus = gpus_per_pod(role)
+        if gpus is not None and gpus != tp:
+            raise Unrealisable("GPUCountMismatch",
+                               f"{role_name}.resources: {GPU} is {gpus} but model.tensorParallelSize is {tp} "
+                               "(each pod runs one process per GPU)")

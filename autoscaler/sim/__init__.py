@@ -1,0 +1,1 @@
+"""splitserve.autoscaler.sim: a discrete-event simulation of a splitserve cluster that replays request traces through the router's real policy objects and the real control law, on step costs fitted to our engine."""

@@ -1,0 +1,374 @@
+"""The discrete-event simulation of one splitserve cluster: requests arrive, the router's real policy object
+picks a decode and a prefill worker (this module is its `WorkerView`), the decode worker reserves KV or
+prefills locally (as decode_worker/service.py), the prefill worker computes the prompt and streams its KV
+(landing after max(prefill end + tail, prefill start + bytes / bandwidth)), the decode worker decodes; every
+control interval a scaling law sees an `Observation` and its decision is actuated: new workers load the model
+for `model_load_s` (using their GPUs meanwhile), removed ones drain (or are killed, for laws that do).
+
+Events are (time, seq, kind, payload, version); arrivals stream from the sorted request list. Deterministic:
+no randomness after the requests are made, ties broken by insertion order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.autoscaler.bounds import Bounds, clamp
+from splitserve.autoscaler.observations import Observation
+from splitserve.autoscaler.profile import ReplicaProfile
+from splitserve.autoscaler.sim.laws import ScalingLaw
+from splitserve.autoscaler.sim.metrics import Window
+from splitserve.autoscaler.sim.trace import PromptTokens, SimRequest, Status
+from splitserve.autoscaler.sim.worker import SimWorker, WorkerState
+from splitserve.router.policy import Charge, RequestFeatures, WorkerLoad, make_policy
+
+STEP_END, LAND, READY, TICK, DRAIN_DEADLINE = range(5)
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    profile: ReplicaProfile
+    prefill_profile: ReplicaProfile | None = None  # prefill workers' own, if they differ (default: `profile`)
+    ttft_s: float = 2.0  # objectives: what attainment counts
+    itl_s: float = 0.1
+    disagg_threshold: int = 512  # prompts shorter than this are prefilled by the decode worker
+    routing: str = "least_loaded"  # router.policy
+    block_size: int = 16
+    gpus_per_replica: int = 1  # tensorParallelSize
+    model_load_s: float | None = None  # default: the profile's
+    drain_seconds: float = 120.0  # a draining worker is stopped after this, failing what is left
+    prefix_cache: bool = True  # workers keep the hash-id blocks of prompts they computed or received
+    rpc_s: float = 0.0  # s added to every first token (gateway + gRPC), from calibration
+    join_quantum_s: float = 0.0  # s: requests join a running decode batch at most this late (0: next step)
+    max_time_s: float = math.inf  # stop here; requests not done count as failed
+    bounds: Bounds | None = None  # hard bounds every law's wish is clamped into (as the operator does)
+
+    @property
+    def load_s(self) -> float:
+        return self.profile.model_load_seconds if self.model_load_s is None else self.model_load_s
+
+    def feasible(self, req: SimRequest) -> bool:
+        """Could an idle cluster give this request its first token within the TTFT objective? (Prompts whose
+        prefill alone takes longer miss it whatever the replica count.)"""
+        p = self.profile
+        return p.prefill_seconds(req.prompt) + p.kv_transfer_tail_s + self.rpc_s <= self.ttft_s
+
+
+@dataclass
+class TimelinePoint:
+    time: float
+    prefill: dict[str, int]  # ready, starting, draining, desired
+    decode: dict[str, int]
+    gpus: int  # GPUs held (every worker not gone)
+    reason: str
+
+
+@dataclass
+class SimResult:
+    requests: list[SimRequest]
+    end_time: float  # s, when the last request finished
+    gpu_seconds: float
+    timeline: list[TimelinePoint]
+    observations: list[Observation]
+    itl_samples: list[tuple[float, int]]  # (step s, tokens) of every decode step
+    law: str
+    settings: SimSettings
+    events: int  # events processed (a cost measure)
+
+    def attainment(self, start: float = -math.inf, end: float = math.inf, feasible_only: bool = False) -> float:
+        """Fraction of requests arriving in [start, end) that met both objectives (of those an idle cluster
+        could serve in time, with `feasible_only`)."""
+        s = self.settings
+        chosen = [r for r in self.requests if start <= r.arrival < end and (not feasible_only or s.feasible(r))]
+        if not chosen:
+            return 1.0
+        return sum(r.meets(s.ttft_s, s.itl_s) for r in chosen) / len(chosen)
+
+
+class Simulation:
+    def __init__(self, requests: list[SimRequest], settings: SimSettings, law: ScalingLaw,
+                 initial: tuple[int, int]) -> None:
+        self.requests = requests
+        self.s = settings
+        self.law = law
+        # the gateway's call (router/gateway.py); no KV index here, so kv_aware routes by load
+        self.policy = make_policy(settings.routing, source=None, block_size=settings.block_size,
+                                  threshold=settings.disagg_threshold)
+        self.workers: list[SimWorker] = []  # every worker ever started
+        self.live: dict[str, list[SimWorker]] = {"prefill": [], "decode": []}
+        self.by_name: dict[str, SimWorker] = {}
+        self.window = Window()
+        self.timeline: list[TimelinePoint] = []
+        self.observations: list[Observation] = []
+        self._events: list[tuple[float, int, int, Any, int]] = []
+        self._seq = 0
+        self._done = 0
+        self._count = 0
+        self._charges: dict[int, Charge] = {}  # rid -> its share of the named workers' load (as the gateway's)
+        self._ready_loads: dict[str, list[WorkerLoad]] = {}  # role -> ready workers' loads (reset on any change)
+        for role, n in zip(("prefill", "decode"), initial, strict=True):
+            for _ in range(n):
+                self._start_worker(role, 0.0, ready=True)
+
+    # -- WorkerView (the router's policy reads this) -------------------------------------------------------
+    def candidates(self, role: str) -> list[WorkerLoad]:
+        ready = self._ready_loads.get(role)
+        if ready is None:
+            ready = self._ready_loads[role] = [w.load for w in self.live[role] if w.state == WorkerState.READY]
+        return ready
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        reqs, n, i = self.requests, len(self.requests), 0
+        self._push(self.law.interval_s, TICK, None)
+        events = self._events
+        now = 0.0
+        while self._done < n:
+            t_arr = reqs[i].arrival if i < n else math.inf
+            if events and events[0][0] < t_arr:
+                now, _, kind, payload, version = heapq.heappop(events)
+                if now > self.s.max_time_s:
+                    break
+                self._count += 1
+                if kind == STEP_END:
+                    self._step_end(payload, version, now)
+                elif kind == LAND:
+                    self._land(payload, now)
+                elif kind == TICK:
+                    self._tick(now)
+                elif kind == READY:
+                    self._ready(payload, now)
+                elif kind == DRAIN_DEADLINE:
+                    self._drain_deadline(payload, now)
+            elif i < n:
+                now = t_arr
+                if now > self.s.max_time_s:
+                    break
+                self._count += 1
+                self._arrive(reqs[i], now)
+                i += 1
+            else:  # nothing scheduled and no arrival left: cannot happen while requests are pending
+                raise RuntimeError(f"simulation stalled with {n - self._done} requests pending")
+        for r in reqs:  # past max_time_s
+            if not r.done:
+                self._fail(r, now)
+        end = max((r.finish for r in reqs), default=0.0)
+        self.window.observe(max(end, now), self.live["prefill"] + self.live["decode"])  # the last samples
+        for w in self.workers:
+            if w.state != WorkerState.GONE:
+                w.gone_at = end
+        gpu_s = sum(max(0.0, w.gone_at - w.started) for w in self.workers) * self.s.gpus_per_replica
+        return SimResult(reqs, end, gpu_s, self.timeline, self.observations, self.window.itl_samples,
+                         self.law.name, self.s, self._count)
+
+    def _push(self, t: float, kind: int, payload: Any, version: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, payload, version))
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def _arrive(self, req: SimRequest, now: float) -> None:
+        features = RequestFeatures(PromptTokens(req.prompt, req.hash_ids, req.rid), self.s.block_size, "sim",
+                                   max_tokens=req.output)
+        decision = self.policy.route(features, self)
+        if decision is None:  # no ready decode worker: the gateway answers 503
+            self._fail(req, now)
+            return
+        dec = self.by_name[decision.decode.name]
+        pre = self.by_name[decision.prefill.name] if decision.prefill is not None else None
+        blocks = -(-req.prompt // self.s.block_size)
+        new_blocks = blocks - decision.cached_tokens // self.s.block_size
+        self._charges[req.rid] = Charge(decision.decode, decision.prefill, blocks, new_blocks)
+        req.decode_worker = dec
+        dec.inflight.add(req)
+        if req.prompt + req.output > dec.kv_capacity:  # can never fit: the worker rejects it
+            self._fail(req, now)
+            return
+        # as decode_worker/service.py: prefill remotely what this worker's cache lacks, if that is long enough
+        uncached = req.prompt - dec.prefix_hit(req)
+        if pre is not None and uncached >= self.s.disagg_threshold and dec.reserve(req):
+            req.remote = True
+            req.transfer_tokens = uncached
+            req.prefill_worker = pre
+            pre.inflight.add(req)
+            pre.enqueue_prompt(req, req.prompt, now)
+            self.window.arrival(req, remote=True)
+            self._kick(pre, now)
+        else:
+            dec.enqueue_prompt(req, req.prompt, now)
+            self.window.arrival(req, remote=False)
+        dec.sync_load()
+        self._kick(dec, now)
+
+    def _kick(self, w: SimWorker, now: float) -> None:
+        """New work for `w`: start a step if idle; cut a long decode macro-step at its next boundary."""
+        if w.state not in (WorkerState.READY, WorkerState.DRAINING):
+            return
+        end = w.interrupt(now) if w.busy else w.start_step(now)
+        if end is not None:
+            self._push(end, STEP_END, w, w.version)
+
+    def _step_end(self, w: SimWorker, version: int, now: float) -> None:
+        if version != w.version or w.state == WorkerState.GONE:
+            return
+        out = w.end_step(now)
+        prof = self.s.profile
+        for req in out.prefilled:
+            land = max(now + prof.kv_transfer_tail_s,
+                       req.prefill_start + prof.kv_transfer_seconds(req.transfer_tokens))
+            self._push(land + self.s.rpc_s, LAND, req)
+        for req in out.first_tokens:
+            self.window.ttfts.append(req.ttft + self.s.rpc_s)
+            req.first_token += self.s.rpc_s
+            self._charges[req.rid].first_token()
+        for req in out.finished:
+            self._finish(req, now)
+        w.sync_load()
+        end = w.start_step(now)
+        if end is not None:
+            self._push(end, STEP_END, w, w.version)
+        self._retire_if_drained(w, now)
+
+    def _land(self, req: SimRequest, now: float) -> None:
+        if req.done:
+            return
+        pre, dec = req.prefill_worker, req.decode_worker
+        assert isinstance(pre, SimWorker) and isinstance(dec, SimWorker)
+        pre.release(req)
+        pre.sync_load()
+        dec.cache_insert(req)
+        self._retire_if_drained(pre, now)
+        req.first_token = req.last_token = now
+        req.generated = 1
+        self.window.ttfts.append(req.ttft)
+        self._charges[req.rid].first_token()
+        if req.output <= 1:
+            self._finish(req, now)
+            return
+        dec.land(req)
+        dec.sync_load()
+        self._kick(dec, now)
+
+    def _finish(self, req: SimRequest, now: float) -> None:
+        self._end(req, now, Status.FINISHED)
+
+    def _fail(self, req: SimRequest, now: float) -> None:
+        if not req.done:
+            self._end(req, now, Status.FAILED)
+
+    def _end(self, req: SimRequest, now: float, status: Status) -> None:
+        for w in (req.decode_worker, req.prefill_worker):
+            if isinstance(w, SimWorker) and req in w.inflight:
+                if w.state != WorkerState.GONE and status == Status.FAILED and req in w.decoding:
+                    w.decoding.remove(req)  # only a worker being killed loses decoding requests
+                w.release(req)
+                w.sync_load()
+        charge = self._charges.pop(req.rid, None)
+        if charge is not None:
+            charge.release()
+        req.status = status
+        req.finish = now
+        self._done += 1
+
+    # -- scaling -------------------------------------------------------------------------------------------
+    def _tick(self, now: float) -> None:
+        all_live = self.live["prefill"] + self.live["decode"]
+        obs = self.window.observe(now, all_live)
+        self.observations.append(obs)
+        p, d, reason = self.law.decide(obs)
+        if self.s.bounds is not None:  # the actuator applies any provider's numbers within the bounds
+            p, d, notes = clamp(p, d, self.s.bounds)
+            reason += f"; clamped by {', '.join(notes)}" if notes else ""
+        self._apply("prefill", p, now)
+        self._apply("decode", d, now)
+        point = {}
+        for role, want in (("prefill", p), ("decode", d)):
+            ws = self.live[role]
+            point[role] = {st.value: sum(w.state == st for w in ws) for st in
+                           (WorkerState.READY, WorkerState.STARTING, WorkerState.DRAINING)} | {"desired": want}
+        gpus = (len(self.live["prefill"]) + len(self.live["decode"])) * self.s.gpus_per_replica
+        self.timeline.append(TimelinePoint(now, point["prefill"], point["decode"], gpus, reason))
+        if self._done < len(self.requests):
+            self._push(now + self.law.interval_s, TICK, None)
+
+    def _apply(self, role: str, target: int, now: float) -> None:
+        ws = self.live[role]
+        serving = [w for w in ws if w.state in (WorkerState.STARTING, WorkerState.READY)]
+        n = len(serving)
+        if target > n:
+            for w in [w for w in ws if w.state == WorkerState.DRAINING][:target - n]:
+                w.state, w.load.draining = WorkerState.READY, False  # cancel a drain: it is loaded already
+                self._ready_loads.clear()
+                n += 1
+            for _ in range(target - n):
+                self._start_worker(role, now, ready=False)
+            return
+        remove = n - target
+        starting = sorted((w for w in serving if w.state == WorkerState.STARTING), key=lambda w: -w.started)
+        ready = sorted((w for w in serving if w.state == WorkerState.READY),
+                       key=lambda w: (w.load.outstanding, len(w.inflight), w.started))
+        for w in (starting + ready)[:remove]:
+            if w.state == WorkerState.STARTING or not w.has_work:
+                self._retire(w, now)
+            elif self.law.kills_on_scale_down:
+                for req in w.kill(now):
+                    self._fail(req, now)
+                self._retire(w, now)
+            else:
+                w.state, w.load.draining = WorkerState.DRAINING, True
+                self._ready_loads.clear()
+                self._push(now + self.s.drain_seconds, DRAIN_DEADLINE, w)
+
+    def _start_worker(self, role: str, now: float, ready: bool) -> SimWorker:
+        name = f"{role}-{len(self.workers)}"
+        load_s = 0.0 if ready else self.s.load_s
+        prof = self.s.prefill_profile if role == "prefill" and self.s.prefill_profile else self.s.profile
+        w = SimWorker(name, role, prof, now, now + load_s, self.s.itl_s,
+                      self.s.prefix_cache, self.s.join_quantum_s)
+        self.workers.append(w)
+        self.live[role].append(w)
+        self.by_name[name] = w
+        if ready:
+            self._ready(w, now)
+        else:
+            self._push(now + load_s, READY, w)
+        return w
+
+    def _ready(self, w: SimWorker, now: float) -> None:
+        if w.state != WorkerState.STARTING:
+            return
+        w.state = WorkerState.READY
+        w.load.healthy = True
+        self._ready_loads.clear()
+
+    def _retire_if_drained(self, w: SimWorker, now: float) -> None:
+        if w.state == WorkerState.DRAINING and not w.has_work:
+            self._retire(w, now)
+
+    def _drain_deadline(self, w: SimWorker, now: float) -> None:
+        if w.state != WorkerState.DRAINING:
+            return
+        for req in w.kill(now):
+            self._fail(req, now)
+        self._retire(w, now)
+
+    def _retire(self, w: SimWorker, now: float) -> None:
+        if w.state != WorkerState.GONE:
+            w.kill(now)
+        w.load.healthy = False
+        self._ready_loads.clear()
+        if w in self.live[w.role]:
+            self.live[w.role].remove(w)
+
+
+def simulate(requests: list[SimRequest], settings: SimSettings, law: ScalingLaw,
+             initial: tuple[int, int]) -> SimResult:
+    """Run one simulation (the requests are consumed: make fresh ones for another run)."""
+    return Simulation(requests, settings, law, initial).run()
+
+
+def fresh(requests: list[SimRequest]) -> list[SimRequest]:
+    """Unplayed copies of requests (for another run over the same arrivals)."""
+    return [SimRequest(r.rid, r.arrival, r.prompt, r.output, r.hash_ids, r.hash_block) for r in requests]

@@ -1,0 +1,497 @@
+"""The SLO autoscaler against the oracle, the best static P:D and the anchors' laws, on the three shared traces,
+in the simulator with 8B-shaped costs (and the simulator against a real `splitserve up` on this CPU).
+
+  --measure-gpu on a GPU: our engine's step times for an 8B-shaped model (dummy weights, serving settings: token
+                budget 2048, 128 seqs) at 1k..16k contexts, chunked prefill up to 32k tokens, and the engine's
+                build time -> $OUT or results/sim_calibration_h200_8b_steps.json
+  --fit-gpu     fit the 8B-shaped H200 profile from the committed GPU results (and the --measure-gpu steps when
+                present) -> results/sim_calibration_h200_8b.json
+  --calibrate   measure our engine's step times here (`splitserve simulate --calibrate`) -> sim_calibration_cpu2_*.json
+  --validate    `splitserve up` (1 prefill + 1 decode) under `splitserve bench` (Poisson, then a trace slice), the
+                same requests simulated with the CPU profile: TTFT and ITL p50/p90 side by side (goal: within 15%)
+  (default)     for each trace at its scale: the oracle (cheapest static P:D per 5-minute window), the best static
+                P:D, the SLO law, Ray Serve LLM's, llm-d WVA's and Dynamo's load-mode law: SLO attainment,
+                GPU-seconds against the oracle's, a table and a last JSON line; results/autoscaling_<trace>.json
+Runs are spread over --jobs processes (each rebuilds its requests from the trace: same seed, same requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+TRACES = Path(os.environ.get("SPLITSERVE_TRACES", ROOT.parent / "shared" / "traces"))
+GPU_PROFILE = RESULTS / "sim_calibration_h200_8b.json"
+GPU_STEPS = RESULTS / "sim_calibration_h200_8b_steps.json"
+CPU_PROFILE = RESULTS / "sim_calibration_cpu2_smollm2.json"
+
+
+@dataclass(frozen=True)
+class TraceCase:
+    name: str
+    file: str
+    rate_scale: float  # requests replayed per trace request: sets the cluster size (8..64 GPUs)
+    max_input: int = 131072
+
+
+CASES = {
+    "azure_conv": TraceCase("azure_conv", "azure_conv_2023.csv", 32.0),
+    "azure_code": TraceCase("azure_code", "azure_code_2023.csv", 10.0),
+    "mooncake": TraceCase("mooncake", "mooncake_conversation.jsonl", 3.0),
+}
+POLICIES = ("slo", "slo_warm2", "ray", "wva", "dynamo")  # slo_warm2: the same law with autoscaling.warmReplicas 2
+COLD = ("slo@2x2", "ray@2x2", "wva@2x2", "dynamo@2x2")  # the same laws from a small start (a fresh deployment)
+TARGET = 0.95
+JOIN_QUANTUM_S = 0.02  # decode joins at most 20 ms late (fewer events; see autoscaler/sim/worker.py)
+
+
+# -- one experiment, rebuilt in each process ------------------------------------------------------------------
+def experiment(case: TraceCase, duration: float | None, gpus: int):
+    from splitserve.autoscaler.profile import ReplicaProfile
+    from splitserve.autoscaler.sim import trace
+    from splitserve.autoscaler.sim.experiment import Experiment
+    from splitserve.common.config import ClusterSpec
+
+    rows = trace.read_trace(TRACES / case.file, max_input=case.max_input)
+    requests = trace.scale(rows, rate_scale=case.rate_scale, duration_s=duration, seed=0)
+    spec = ClusterSpec()
+    spec.autoscaling.mode = "slo"
+    spec.autoscaling.gpu_budget = gpus
+    for role in (spec.prefill, spec.decode):
+        role.max_replicas = gpus
+    exp = Experiment(requests, spec, ReplicaProfile.load(GPU_PROFILE), target=TARGET)
+    return exp
+
+
+def settings_of(exp):
+    from dataclasses import replace
+
+    return replace(exp.settings, join_quantum_s=JOIN_QUANTUM_S)
+
+
+def task_window(case: TraceCase, duration: float | None, gpus: int, k: int) -> dict[str, Any]:
+    """The oracle's search for window k."""
+    from splitserve.autoscaler.sim.oracle import cheapest_static
+    from splitserve.autoscaler.sim.trace import SimRequest
+
+    exp = experiment(case, duration, gpus)
+    start = k * exp.window_s
+    chosen = [r for r in exp.requests if start <= r.arrival < start + exp.window_s]
+    end = exp.requests[-1].arrival
+    length = min(exp.window_s, max(end - start, 1e-3))
+    shifted = [SimRequest(i, r.arrival - start, r.prompt, r.output, r.hash_ids, r.hash_block) for i, r in enumerate(chosen)]
+    settings = settings_of(exp)
+    c = cheapest_static(shifted, settings, length, TARGET, exp.max_replicas, gpus)
+    feasible = [r for r in c.result.requests if settings.feasible(r)]
+    return {"k": k, "start": start, "length": length, "prefill": c.prefill, "decode": c.decode,
+            "requests": len(chosen), "met": c.met, "target": c.target, "sims": c.sims, "feasible": len(feasible),
+            "feasible_met": sum(r.meets(settings.ttft_s, settings.itl_s) for r in feasible)}
+
+
+def task_policy(case: TraceCase, duration: float | None, gpus: int, policy: str, initial: tuple[int, int]
+                ) -> dict[str, Any]:
+    from splitserve.autoscaler.sim.oracle import best_static
+    from splitserve.autoscaler.sim.report import summary
+    from splitserve.autoscaler.sim.simulator import simulate
+
+    exp = experiment(case, duration, gpus)
+    t0 = time.perf_counter()
+    if policy.startswith("static<="):  # the best static, searched down from the oracle's largest plans
+        upper = tuple(int(x) for x in policy.split("=")[1].split("x"))
+        choice = best_static(exp.requests, settings_of(exp), TARGET, exp.max_replicas, gpus, upper)
+        res = choice.result
+        out = summary(res) | {"static": [choice.prefill, choice.decode], "sims": choice.sims}
+    else:
+        law, _, start = policy.partition("@")  # law@PxD: start from P prefill + D decode replicas
+        if start:
+            initial = tuple(int(x) for x in start.split("x"))  # type: ignore[assignment]
+        if law == "slo_warm2":
+            exp.spec.autoscaling.warm_replicas = 2
+        res = simulate(exp.requests, settings_of(exp), exp.law(law.removesuffix("_warm2")), initial)
+        out = summary(res) | {"policy": policy, "initial": list(initial)}
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["timeline"] = [[round(pt.time), pt.prefill["ready"] + pt.prefill["starting"],
+                        pt.decode["ready"] + pt.decode["starting"], pt.gpus] for pt in res.timeline[::4]]
+    out["target_met"] = out["slo_attainment"] >= TARGET * out["feasible_fraction"] - 1e-9
+    return out
+
+
+def benchmark(names: list[str], duration: float | None, gpus: int, jobs: int, plot: bool, reuse: bool,
+              only: list[str] | None = None) -> dict[str, Any]:
+    all_out: dict[str, Any] = {}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for name in names:
+            case = CASES[name]
+            t0 = time.perf_counter()
+            exp = experiment(case, duration, gpus)
+            path = RESULTS / f"autoscaling_{name}.json"
+            prev = json.loads(path.read_text()) if reuse and path.exists() else None
+            same = prev is not None and (prev["rate_scale"], prev["duration_s"], prev["gpu_budget"], prev["profile"],
+                                         prev["requests"]) == (case.rate_scale, duration, gpus, exp.profile.name,
+                                                               len(exp.requests))
+            if same:  # the oracle and the best static do not depend on the laws: keep them
+                windows = prev["oracle_windows"]
+            else:
+                n_windows = math.floor(exp.requests[-1].arrival / exp.window_s) + 1
+                windows = sorted(pool.map(task_window, *zip(*[(case, duration, gpus, k) for k in range(n_windows)],
+                                                            strict=True)), key=lambda w: w["k"])
+                windows = [w for w in windows if w["requests"]]
+            oracle_gpu_s = sum((w["prefill"] + w["decode"]) * w["length"] for w in windows)
+            oracle_met = sum(w["met"] for w in windows) / max(1, sum(w["requests"] for w in windows))
+            oracle_feasible = sum(w["feasible_met"] for w in windows) / max(1, sum(w["feasible"] for w in windows))
+            initial = (max(1, windows[0]["prefill"]), max(1, windows[0]["decode"]))
+            upper = f"static<={max(w['prefill'] for w in windows)}x{max(w['decode'] for w in windows)}"
+            policies = only or list(POLICIES)
+            tasks = ([] if same else [upper]) + policies  # the static search first: it is the longest
+            runs = dict(zip(tasks, pool.map(task_policy, *zip(*[(case, duration, gpus, t, initial) for t in tasks],
+                                                              strict=True)), strict=True))
+            best = prev["policies"]["static"] if same else runs[upper]
+            rows = {"oracle": {"policy": "oracle", "slo_attainment": round(oracle_met, 4),
+                               "feasible_attainment": round(oracle_feasible, 4),
+                               "gpu_seconds": round(oracle_gpu_s, 1), "max_gpus": max(w["prefill"] + w["decode"]
+                                                                                      for w in windows)},
+                    "static": best | {"policy": f"static {best['static'][0]}:{best['static'][1]}"}}
+            if same and only:  # add these runs to the ones kept
+                rows |= {k: v for k, v in prev["policies"].items() if k not in ("oracle", "static")}
+            rows |= {p: runs[p] for p in policies}
+            for r in rows.values():
+                r["gpu_seconds_vs_oracle"] = round(r["gpu_seconds"] / oracle_gpu_s, 3)
+            result = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
+                      "requests": len(exp.requests), "slo": {"ttft_s": exp.spec.slo.ttft_seconds,
+                                                             "itl_s": exp.spec.slo.itl_seconds},
+                      "profile": exp.profile.name, "model_load_s": exp.spec.autoscaling.model_load_seconds,
+                      "initial": list(initial), "oracle_windows": windows,
+                      "policies": rows, "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
+            path.write_text(json.dumps(result, indent=1) + "\n")
+            print_trace(name, result)
+            if plot:
+                plot_trace(name, result)
+            all_out[name] = result
+    return all_out
+
+
+def print_trace(name: str, r: dict[str, Any]) -> None:
+    print(f"\n{name}: {r['requests']} requests ({r['trace']} x{r['rate_scale']:g}), budget {r['gpu_budget']} GPUs, "
+          f"start {r['initial']}, oracle peak {r['policies']['oracle']['max_gpus']} GPUs")
+    print(f"{'policy':<14}{'attain':>8}{'feasible':>10}{'GPU-s':>10}{'vs oracle':>11}{'max GPUs':>10}{'failed':>8}")
+    for p in r["policies"].values():
+        print(f"{p['policy']:<14}{p['slo_attainment']:>8.3f}{p.get('feasible_attainment', float('nan')):>10.3f}"
+              f"{p['gpu_seconds']:>10.0f}{p['gpu_seconds_vs_oracle']:>10.2f}x{p['max_gpus']:>10}{p.get('failed', 0):>8}")
+
+
+def plot_trace(name: str, r: dict[str, Any]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot (pip install -e '.[plot]')", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    for pol in [p for p in POLICIES if p in r["policies"]]:
+        tl = r["policies"][pol]["timeline"]
+        t = [x[0] / 60 for x in tl]
+        axes[0].step(t, [x[1] for x in tl], where="post", label=pol)
+        axes[1].step(t, [x[2] for x in tl], where="post", label=pol)
+        axes[2].step(t, [x[3] for x in tl], where="post", label=pol)
+    ws = r["oracle_windows"]
+    t = [w["start"] / 60 for w in ws] + [(ws[-1]["start"] + ws[-1]["length"]) / 60]
+    for ax, key in ((axes[0], "prefill"), (axes[1], "decode")):
+        v = [w[key] for w in ws]
+        ax.step(t, v + v[-1:], where="post", color="black", linestyle="--", label="oracle")
+    v = [w["prefill"] + w["decode"] for w in ws]
+    axes[2].step(t, v + v[-1:], where="post", color="black", linestyle="--", label="oracle")
+    for ax, label in zip(axes, ("prefill replicas", "decode replicas", "GPUs held"), strict=True):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, ncol=5)
+    axes[-1].set_xlabel("minutes")
+    fig.suptitle(f"{name} x{r['rate_scale']:g}: replicas over time")
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"autoscaling_{name}.png", dpi=90)
+    plt.close(fig)
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    return {"host": platform.node(), "cpus": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
+# -- the GPU profile --------------------------------------------------------------------------------------
+def measure_gpu() -> dict[str, Any]:
+    """Step times of our engine on this GPU, each step's contents known (run on the device machine)."""
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_engine as ge
+
+    from splitserve.engine import SamplingParams
+
+    dev = torch.cuda.get_device_name(0)
+    t0 = time.perf_counter()
+    eng = ge.engine_for(ge.model_dir(ge.LLAMA8B), 40960, 2048, 128, "96GiB")  # the serving token budget
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    points: list[dict[str, Any]] = []
+    for b, ctx in ((1, 1024), (1, 16384), (8, 4096), (32, 4096), (32, 16384), (64, 8192), (128, 1024), (128, 4096)):
+        step = ge.decode_steps(eng, b, ctx, steps=10)  # 10 timed steps after the prompts and 3 warm-ups
+        points.append({"kind": "decode", "num_seqs": b, "num_tokens": b, "ctx_tokens": b * (ctx + 9),
+                       "attn_pairs": 0.0, "seconds": step})
+        print(f"decode batch {b:4d} context {ctx:6d}: {step * 1e3:7.2f} ms", flush=True)
+    g = torch.Generator().manual_seed(0)
+    for n, seqs in ((512, 4), (2048, 1), (8192, 1), (32768, 1)):  # chunked prefill: one point per step
+        for i in range(seqs):
+            eng.add_request(f"p{n}-{i}", torch.randint(0, 128256, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=1, temperature=0))
+        while eng.scheduler.waiting or eng.scheduler.running:
+            before = {r.request_id: r.num_computed_tokens for r in eng.scheduler.running}
+            waiting = {r.request_id: 0 for r in eng.scheduler.waiting}
+            t = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            done = {**waiting, **before}
+            chunks = [(min(2048, n - past), past) for rid, past in done.items() if past < n][:max(1, 2048 // n)]
+            if not chunks:
+                continue
+            tokens = sum(c for c, _ in chunks)
+            points.append({"kind": "prefill", "num_seqs": len(chunks), "num_tokens": tokens, "ctx_tokens": 0,
+                           "attn_pairs": sum(c * (p + (c + 1) / 2) for c, p in chunks), "seconds": dt})
+            print(f"prefill step {tokens:5d} tokens after {chunks[0][1]:6d}: {dt * 1e3:7.2f} ms", flush=True)
+    out = {"device": dev, "engine_build_s": round(build_s, 2), "points": points,
+           "settings": {"max_num_batched_tokens": 2048, "max_num_seqs": 128, "kv_cache_memory": "96GiB",
+                        "model": "llama-3.1-8b shape, dummy bf16 weights"}}
+    path = Path(os.environ.get("OUT", RESULTS)) / GPU_STEPS.name
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return {"device": dev, "points": len(points), "engine_build_s": out["engine_build_s"], "file": str(path)}
+
+
+def fit_gpu() -> dict[str, Any]:
+    from splitserve.autoscaler.sim.calibrate import fit_gpu_profile, kv_case, measured_prefill_steps
+
+    gpu = json.loads((RESULTS / "gpu_engine_nvidia_h200.json").read_text())
+    steps = measured_prefill_steps(GPU_STEPS) if GPU_STEPS.exists() else []
+    prof = fit_gpu_profile(gpu, kv_case(RESULTS / "kv_transfer_nixl_cuda_2xh200.txt", "llama8b_3k"),
+                           prefill_steps=steps)
+    prof.save(GPU_PROFILE)
+    worst = max(abs(e["error"]) for e in prof.source["errors"])
+    print(f"{prof.name}: {prof.cost}\nworst fitted step error {worst:.1%}; wrote {GPU_PROFILE}")
+    return {"profile": str(GPU_PROFILE), "max_abs_error": round(worst, 4)}
+
+
+# -- the simulator against a real run on this CPU ------------------------------------------------------------
+VALIDATION = RESULTS / "sim_calibration_validation_cpu2.json"
+LATENCY_KEYS = ("ttft_p50_s", "ttft_p90_s", "itl_p50_s", "itl_p90_s")
+
+
+def validation_cases(poisson_n: int, trace_n: int, rate: float) -> list[tuple[str, list]]:
+    """The requests both the real run and the simulation see (splitserve bench's own generators, fixed seeds)."""
+    from splitserve import bench
+
+    vocab = (1000, 30000)
+    return [("poisson", bench.poisson_jobs(poisson_n, rate, 384, 32, vocab, 1)),
+            ("mooncake_slice", bench.load_trace(str(TRACES / "mooncake_conversation.jsonl"), trace_n, 0.5, 512, 32,
+                                                vocab, 0))]
+
+
+def measure_local(port: int, cases: list[tuple[str, list]], threshold: int) -> dict[str, Any]:
+    """`splitserve up` (1 prefill + 1 decode worker) under `splitserve bench` (in-process: per-request latencies)."""
+    import asyncio
+    import urllib.request
+
+    from splitserve import bench
+
+    cmd = [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--prefill", "1", "--decode", "1",
+           "--disagg-threshold", str(threshold)]
+    out: dict[str, Any] = {"loadavg_before": [round(x, 2) for x in os.getloadavg()], "command": " ".join(cmd[2:]),
+                           "measured": {}}
+    t_start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "ready" in line:
+                break
+        else:
+            raise RuntimeError("splitserve up exited before it was ready")
+        out["up_ready_s"] = round(time.perf_counter() - t_start, 1)
+        url = f"http://127.0.0.1:{port}"
+        urllib.request.urlopen(f"{url}/health", timeout=5).read()
+        for name, jobs in cases:
+            results, elapsed = asyncio.run(bench.run(url, "smollm2", jobs, 900.0, False))
+            m = _latencies([(r.ttft, r.itls) for r in results if r.ok])
+            out["measured"][name] = m | {"failed": sum(not r.ok for r in results), "duration_s": round(elapsed, 1)}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    return out
+
+
+def validate(port: int, poisson_n: int, trace_n: int, rate: float, resimulate: bool) -> dict[str, Any]:
+    """Measure a real local run (or, with `resimulate`, reuse the last measurement), then simulate the same
+    requests three ways: with the CPU profile as calibrated (engine steps measured alone); with its decode
+    steps scaled by a factor fitted on the Poisson run's ITL p50; and with, besides, its prefill workers'
+    steps scaled by a factor fitted on the Poisson run's TTFT p50 (in serving, the processes, the gateway and
+    the load generator share the machine's cores; prefill also streams its KV layer by layer). The trace slice
+    is held out of both fits."""
+    from dataclasses import replace
+
+    from splitserve.autoscaler.profile import ReplicaProfile, StepCost
+    from splitserve.autoscaler.sim import trace as simtrace
+    from splitserve.autoscaler.sim.laws import StaticLaw
+    from splitserve.autoscaler.sim.simulator import SimSettings, simulate
+
+    threshold = 128
+    cases = validation_cases(poisson_n, trace_n, rate)
+    if resimulate:
+        out = json.loads(VALIDATION.read_text())
+        if (out["poisson_rate"], out["poisson_requests"], out["trace_requests"]) != (rate, poisson_n, trace_n):
+            raise SystemExit("--resimulate: the saved measurement used other --poisson-rate/--*-requests")
+    else:
+        out = measure_local(port, cases, threshold) | {"poisson_rate": rate, "poisson_requests": poisson_n,
+                                                       "trace_requests": trace_n, "machine": machine()}
+    measured = out["measured"]
+    profile = ReplicaProfile.load(CPU_PROFILE)
+    if profile.model_load_seconds != out["up_ready_s"]:  # the measured start-to-ready time of `splitserve up`
+        profile = replace(profile, model_load_seconds=out["up_ready_s"], source=profile.source | {
+            "model_load_note": "splitserve up start to ready (gateway + 1 prefill + 1 decode), from --validate"})
+        profile.save(CPU_PROFILE)
+
+    def scaled(prof: ReplicaProfile, k: float) -> ReplicaProfile:
+        c = prof.cost
+        return replace(prof, cost=StepCost(c.base_s * k, c.per_seq_s * k, c.per_token_s * k, c.knee_tokens,
+                                           c.per_ctx_token_s * k, c.per_attn_pair_s * k))
+
+    def run_sim(decode_k: float, prefill_k: float, jobs) -> dict[str, float]:
+        reqs = simtrace.from_token_jobs([(j.arrival, j.prompt, j.max_tokens) for j in jobs])
+        settings = SimSettings(scaled(profile, decode_k), prefill_profile=scaled(profile, prefill_k), ttft_s=3.0,
+                               itl_s=0.5, disagg_threshold=threshold)
+        return _sim_latencies(simulate(reqs, settings, StaticLaw(1, 1), (1, 1)))
+
+    poisson_jobs = cases[0][1]
+    decode_k = measured["poisson"]["itl_p50_s"] / run_sim(1.0, 1.0, poisson_jobs)["itl_p50_s"]
+    lo, hi = 0.5, 4.0  # the prefill factor: bisect on the Poisson run's TTFT p50 (it grows with the factor)
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        if run_sim(decode_k, mid, poisson_jobs)["ttft_p50_s"] < measured["poisson"]["ttft_p50_s"]:
+            lo = mid
+        else:
+            hi = mid
+    prefill_k = (lo + hi) / 2
+    out["factors"] = {"decode": round(decode_k, 3), "prefill": round(prefill_k, 3)}
+    variants = {"raw_profile": (1.0, 1.0), "decode_fitted": (decode_k, 1.0), "both_fitted": (decode_k, prefill_k)}
+    out["cases"] = []
+    for name, jobs in cases:
+        m = measured[name]
+        case: dict[str, Any] = {"name": name, "requests": len(jobs), "failed": m["failed"], "duration_s": m["duration_s"]}
+        for variant, (dk, pk) in variants.items():
+            sim = run_sim(dk, pk, jobs)
+            case[variant] = {k: {"measured": round(m[k], 4), "simulated": round(sim[k], 4),
+                                 "error": round(sim[k] / m[k] - 1, 4)} for k in LATENCY_KEYS}
+        out["cases"].append(case)
+        for variant in variants:
+            v = case[variant]
+            print(f"{name:15s} {variant:14s} " + ", ".join(
+                f"{k} {v[k]['measured']:.3f} vs {v[k]['simulated']:.3f} ({v[k]['error']:+.0%})" for k in LATENCY_KEYS))
+    held_out = next(c for c in out["cases"] if c["name"] == "mooncake_slice")
+    out["held_out_max_abs_error"] = {v: max(abs(held_out[v][k]["error"]) for k in LATENCY_KEYS) for v in variants}
+    VALIDATION.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))] if s else float("nan")
+
+
+def _latencies(per_request: list[tuple[float, list[float]]]) -> dict[str, float]:
+    ttft = [t for t, _ in per_request]
+    itl = [x for _, xs in per_request for x in xs]
+    return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p90_s": _pct(ttft, 0.9), "itl_p50_s": _pct(itl, 0.5),
+            "itl_p90_s": _pct(itl, 0.9)}
+
+
+def _sim_latencies(res) -> dict[str, float]:
+    from splitserve.autoscaler.sim.metrics import weighted_percentiles
+
+    ttft = [r.ttft for r in res.requests]
+    itl = weighted_percentiles(res.itl_samples)
+    return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p90_s": _pct(ttft, 0.9), "itl_p50_s": itl.p50 or float("nan"),
+            "itl_p90_s": itl.p90 or float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--measure-gpu", action="store_true")
+    ap.add_argument("--fit-gpu", action="store_true")
+    ap.add_argument("--calibrate", action="store_true")
+    ap.add_argument("--validate", action="store_true")
+    ap.add_argument("--port", type=int, default=18431)
+    ap.add_argument("--poisson-requests", type=int, default=16)
+    ap.add_argument("--trace-requests", type=int, default=16)
+    ap.add_argument("--poisson-rate", type=float, default=0.1, help="--validate: requests/s (below the CPU's capacity)")
+    ap.add_argument("--resimulate", action="store_true", help="--validate: reuse the last measurement")
+    ap.add_argument("--traces", default=",".join(CASES), help="which: " + ", ".join(CASES))
+    ap.add_argument("--duration", type=float, default=None, help="trace seconds to replay (default: all)")
+    ap.add_argument("--rate-scale", type=float, default=None, help="override every trace's rate scale")
+    ap.add_argument("--gpus", type=int, default=64, help="GPU budget")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--only", default="", help="run just these policies (law or law@PxD: another start), "
+                    "added to the results file's; 'cold' = " + ",".join(COLD))
+    ap.add_argument("--reuse-baselines", action="store_true",
+                    help="keep the oracle and best static of results/autoscaling_<trace>.json when its setup matches")
+    args = ap.parse_args()
+    if args.measure_gpu:
+        print(json.dumps(measure_gpu()))
+        return
+    if args.fit_gpu:
+        print(json.dumps(fit_gpu()))
+        return
+    if args.calibrate:
+        res = subprocess.run([sys.executable, "-m", "splitserve.cli", "simulate", "--calibrate", "--out",
+                              str(CPU_PROFILE)], capture_output=True, text=True)
+        sys.stderr.write(res.stderr)
+        if res.returncode:
+            sys.exit(res.returncode)
+        print(res.stdout.strip().splitlines()[-1])
+        return
+    if args.validate:
+        out = validate(args.port, args.poisson_requests, args.trace_requests, args.poisson_rate, args.resimulate)
+        print(json.dumps({k: out[k] for k in ("factors", "held_out_max_abs_error", "loadavg_before", "loadavg_after")}))
+        return
+    names = [n.strip() for n in args.traces.split(",") if n.strip()]
+    if args.rate_scale is not None:
+        for n in names:
+            CASES[n] = TraceCase(CASES[n].name, CASES[n].file, args.rate_scale, CASES[n].max_input)
+    only = list(COLD) if args.only == "cold" else [p for p in args.only.split(",") if p] or None
+    if only and not args.reuse_baselines:
+        ap.error("--only needs --reuse-baselines (it adds runs to a results file)")
+    results = benchmark(names, args.duration, args.gpus, args.jobs, args.plot, args.reuse_baselines, only)
+    last = {name: {p: {"slo_attainment": v["slo_attainment"], "feasible_attainment": v.get("feasible_attainment"),
+                       "gpu_seconds_vs_oracle": v["gpu_seconds_vs_oracle"], "max_gpus": v["max_gpus"]}
+                   for p, v in r["policies"].items()} for name, r in results.items()}
+    goals = {name: {"attainment_ge_95": r["policies"]["slo"]["slo_attainment"] >= TARGET,
+                    "feasible_attainment_ge_95": r["policies"]["slo"]["feasible_attainment"] >= TARGET,
+                    "gpu_le_1_15x_oracle": r["policies"]["slo"]["gpu_seconds_vs_oracle"] <= 1.15}
+             for name, r in results.items()}
+    print(json.dumps({"traces": last, "goals": goals}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The Dockerfile: hadolint-clean, and built with the same Makefile targets CI exercises (no container runtime
+or base image can be reached here, so the images' install steps are the part we can test): every package the
+build needs is copied in, and the slim gateway/operator image's dependency list covers what they import."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_hadolint_is_clean():
+    result = subprocess.run([str(BIN / "hadolint"), "--config", str(ROOT / ".hadolint.yaml"), "Dockerfile"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _stage(name: str) -> str:
+    return re.search(rf"^FROM \S+ AS {name}\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.S | re.M).group(1)
+
+
+def test_images_install_with_the_makefile_targets():
+    gateway = "\n".join(line for line in _stage("gateway").splitlines() if not line.startswith("#"))
+    assert "make install-gateway" in gateway and "torch" not in gateway.lower()
+    assert "make install-worker" in _stage("worker")
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-runtime-", DOCKERFILE, re.M)
+    for target in ("install-gateway", "install-worker"):
+        dry = subprocess.run(["make", "-n", target, "VENV=/opt/splitserve"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert dry.returncode == 0, dry.stderr
+    assert "nixl" in subprocess.run(["make", "-n", "install-worker"], cwd=ROOT, capture_output=True, text=True,
+                                    timeout=60).stdout
+
+
+def test_every_package_directory_is_copied_into_the_build():
+    dirs = {d.split("/")[0] for d in PYPROJECT["tool"]["setuptools"]["package-dir"].values()}
+    copied = set(re.findall(r"^COPY (\S+)/ \1/$", _stage("source"), re.M))
+    assert dirs <= copied, dirs - copied
+    assert re.search(r"^COPY pyproject.toml README.md Makefile \./$", _stage("source"), re.M)
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _closure(names: set[str]) -> set[str]:
+    """Distributions pip installs for `names` (their requirements without extras), recursively."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        todo += [_name(r) for r in requires if "extra ==" not in r]
+    return seen
+
+
+PROBE = """
+import importlib.abc, json, sys
+at_start = set(sys.modules)  # what the interpreter and site (.pth files) loaded already
+blocked = set(json.loads(sys.argv[1]))
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NotInstalled())
+import splitserve.cli, splitserve.router.app, splitserve.router.gateway, splitserve.autoscaler.operator.run
+from click.testing import CliRunner
+assert CliRunner().invoke(splitserve.cli.app, ["crd"]).exit_code == 0
+print(json.dumps(sorted({m.split(".")[0] for m in set(sys.modules) - at_start})))
+"""
+
+
+def test_the_slim_image_dependencies_cover_what_the_gateway_and_operator_import():
+    """The gateway and the operator import with every distribution outside the `gateway` extra hidden, as in
+    the slim image (optional imports fall back as they would there)."""
+    provided = _closure({_name(r) for r in PYPROJECT["project"]["optional-dependencies"]["gateway"]})
+    blocked = sorted(m for m, ds in md.packages_distributions().items()
+                     if m != "splitserve" and not {_name(d) for d in ds} & provided)
+    assert "torch" in blocked
+    result = subprocess.run([sys.executable, "-c", PROBE, json.dumps(blocked)], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0, "add to the gateway extra: " + result.stderr[-1500:]
+    assert not set(json.loads(result.stdout)) & set(blocked)

@@ -1,0 +1,232 @@
+"""The operator's plain functions, on hand-made specs: replica decisions and their clamps, the checks that make
+a spec Degraded, the pods it renders (commands, drain grace, GPUs, shm, volumes, secrets), the config every pod
+reads, the config hash that rolls pods, and the conditions' bookkeeping."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from splitserve.autoscaler.operator import names
+from splitserve.autoscaler.operator.checks import check
+from splitserve.autoscaler.operator.children import children, config_hash, owner_reference, rendered
+from splitserve.autoscaler.operator.reconcile import contains, resource_of
+from splitserve.autoscaler.operator.replicas import (
+    Observed,
+    ReplicaDecision,
+    Unrealisable,
+    decide,
+    spec_or_scale,
+)
+from splitserve.autoscaler.operator.status import Condition, set_condition
+from splitserve.common.config import ClusterResource
+from splitserve.common.config_file import dump
+
+GPU = {"limits": {"nvidia.com/gpu": 1}}
+
+
+def resource(spec: dict, name: str = "llm") -> ClusterResource:
+    return resource_of({"metadata": {"name": name, "namespace": "serving"}, "spec": spec})
+
+
+def decision_for(spec: dict, observed: Observed | None = None) -> ReplicaDecision:
+    r = resource(spec)
+    return decide(r.spec, spec_or_scale(r.spec, observed or Observed()))
+
+
+def objects(spec: dict, name: str = "llm") -> dict[tuple[str, str], dict]:
+    r = resource(spec, name)
+    decision = decide(r.spec, spec_or_scale(r.spec, Observed()))
+    owner = owner_reference({"metadata": {"name": name, "uid": "u"}})
+    return {(o["kind"], o["metadata"]["name"]): o for o in children(r, decision, owner)}
+
+
+def pod(objs: dict, component: str) -> dict:
+    return objs[("Deployment", f"llm-{component}")]["spec"]["template"]["spec"]
+
+
+# -- replicas -----------------------------------------------------------------------------------------------
+def test_manual_mode_applies_spec_replicas():
+    assert decision_for({"decode": {"replicas": 3}}) == ReplicaDecision(1, 3, "manual: spec replicas")
+
+
+def test_ratio_bounds_clamp_and_say_so():
+    d = decision_for({"decode": {"replicas": 8}, "ratio": {"min": 0.25}})
+    assert (d.prefill, d.decode) == (2, 8)
+    assert "asked prefill 1, decode 8" in d.reason and "ratio.min 0.25" in d.reason
+
+
+def test_external_mode_takes_the_scale_subresource_clamped_to_max():
+    spec = {"autoscaling": {"mode": "external"}, "decode": {"maxReplicas": 4}}
+    d = decision_for(spec, Observed(role_replicas={"prefill": 2, "decode": 9}))
+    assert d.decode == 4 and 1 <= d.prefill <= 2  # autoscaler.bounds.clamp picks the pair
+    assert d.reason.startswith("external") and "decode.maxReplicas 4" in d.reason
+
+
+def test_colocated_has_no_prefill_pool():
+    objs = objects({"mode": "colocated", "decode": {"replicas": 2}})
+    assert decision_for({"mode": "colocated", "decode": {"replicas": 2}}).prefill == 0
+    assert ("Deployment", "llm-prefill") not in objs and ("SplitServeRole", "llm-prefill") not in objs
+    assert pod(objs, "decode")["containers"][0]["command"][5] == "both"
+
+
+@pytest.mark.parametrize("spec,reason,words", [
+    ({"prefill": {"minReplicas": 2, "replicas": 2}, "decode": {"minReplicas": 2, "replicas": 2},
+      "autoscaling": {"gpuBudget": 3}}, "GPUBudgetTooSmall", "need 4"),
+    ({"prefill": {"maxReplicas": 1}, "decode": {"minReplicas": 8, "maxReplicas": 8, "replicas": 8},
+      "ratio": {"min": 0.5}}, "RatioBoundsUnsatisfiable", "prefill 0..1"),
+])
+def test_bounds_no_pair_can_meet_are_unrealisable(spec, reason, words):
+    with pytest.raises(Unrealisable) as e:
+        decision_for(spec)
+    assert e.value.reason == reason and words in e.value.message
+
+
+# -- checks -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec,reason", [
+    ({"redis": {"mode": "external"}}, "RedisURLMissing"),
+    ({"model": {"tensorParallelSize": 2}}, "ShardedDisaggregationUnsupported"),
+    ({"mode": "colocated", "model": {"tensorParallelSize": 2}, "decode": {"resources": GPU}}, "GPUCountMismatch"),
+])
+def test_valid_but_unrealisable_specs(spec, reason):
+    with pytest.raises(Unrealisable) as e:
+        check(resource(spec))
+    assert e.value.reason == reason
+
+
+def test_a_name_services_cannot_carry_is_unrealisable():
+    with pytest.raises(Unrealisable, match="DNS label"):
+        check(resource({}, name="1llm"))
+
+
+def test_an_invalid_spec_is_unrealisable_not_a_crash():
+    with pytest.raises(Unrealisable) as e:
+        resource({"decode": {"engine": {"kvCacheMemory": "lots"}}})
+    assert e.value.reason == "InvalidSpec" and "kvCacheMemory" in e.value.message
+
+
+# -- pods ---------------------------------------------------------------------------------------------------
+def test_worker_pods_drain_on_sigterm_with_grace_from_drain_seconds():
+    objs = objects({"decode": {"drainSeconds": 90.5}})
+    assert pod(objs, "decode")["terminationGracePeriodSeconds"] == 91 + names.DRAIN_MARGIN_SECONDS
+    assert pod(objs, "prefill")["terminationGracePeriodSeconds"] == 120 + names.DRAIN_MARGIN_SECONDS
+
+
+def test_worker_pod_probes_resources_and_downward_api():
+    objs = objects({"decode": {"resources": {"limits": {"nvidia.com/gpu": 1, "rdma/ib": 1}}},
+                    "model": {"device": "cuda"}})
+    worker = pod(objs, "decode")["containers"][0]
+    assert worker["resources"] == {"limits": {"nvidia.com/gpu": 1, "rdma/ib": 1}}
+    assert worker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert {p["name"]: p["containerPort"] for p in worker["ports"]} == {"grpc": 50051, "metrics": 9100}
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert worker["command"][-4:] == ["--name", "$(POD_NAME)", "--advertise-host", "$(POD_IP)"]
+
+
+def test_nixl_needs_host_ipc_and_shm_when_asked():
+    objs = objects({"kubernetes": {"hostIpc": True, "shmSize": "16Gi"}})
+    spec = pod(objs, "prefill")
+    assert spec["hostIPC"] is True
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in spec["volumes"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
+    assert "hostIPC" not in pod(objs, "gateway")
+
+
+def test_embedded_model_is_fetched_by_an_init_container_into_the_shared_cache():
+    objs = objects({})
+    for component in ("prefill", "decode", "gateway"):
+        spec = pod(objs, component)
+        [init] = spec["initContainers"]
+        assert init["command"] == ["splitserve", "fetch-model", "smollm2"]
+        assert init["image"] == "ghcr.io/splitserve/worker:0.1.0"  # torch converts the GGUF; the gateway has none
+        assert {"name": "SPLITSERVE_CACHE", "value": names.CACHE_DIR} in spec["containers"][0]["env"]
+    assert "initContainers" not in pod(objects({"model": {"name": "/models/llama"}}), "gateway")
+
+
+def test_model_volume_is_mounted_read_only_in_workers_and_gateways():
+    objs = objects({"model": {"name": "/models/llama"},
+                    "kubernetes": {"modelVolume": {"persistentVolumeClaim": {"claimName": "llama"}}}})
+    for component in ("prefill", "gateway"):
+        spec = pod(objs, component)
+        assert {"name": "model", "persistentVolumeClaim": {"claimName": "llama"}} in spec["volumes"]
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+
+
+def test_secrets_become_environment_variables():
+    objs = objects({"redis": {"mode": "external", "urlSecret": {"name": "r", "key": "url"}},
+                    "router": {"apiKeySecret": {"name": "keys", "key": "k"}}})
+    gateway_env = pod(objs, "gateway")["containers"][0]["env"]
+    assert {"name": "SPLITSERVE_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "k"}}} in gateway_env
+    for component in ("prefill", "decode", "gateway"):
+        assert {"name": "SPLITSERVE_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "r", "key": "url"}}} \
+            in pod(objs, component)["containers"][0]["env"]
+    assert ("StatefulSet", "llm-redis") not in objs
+
+
+def test_bundled_redis_objects_and_url():
+    objs = objects({"redis": {"mode": "bundled"}})
+    assert objs[("Service", "llm-redis")]["spec"]["ports"][0]["port"] == 6379
+    assert objs[("StatefulSet", "llm-redis")]["spec"]["replicas"] == 1
+    config = ClusterResource.model_validate(yaml.safe_load(objs[("ConfigMap", "llm-config")]["data"]["cluster.yaml"]))
+    assert (config.spec.redis.mode, config.spec.redis.url) == ("bundled", "redis://llm-redis:6379/0")
+    assert config.spec.membership.decode == []
+
+
+def test_without_redis_the_pools_are_reached_through_their_services():
+    r = resource({})
+    spec = rendered(r, ReplicaDecision(1, 1, "x")).spec
+    assert (spec.membership.prefill, spec.membership.decode) == (["llm-prefill:50061"], ["llm-decode:50051"])
+
+
+def test_gateway_service_type_and_pdbs():
+    objs = objects({"kubernetes": {"gatewayServiceType": "LoadBalancer"}})
+    assert objs[("Service", "llm-gateway")]["spec"]["type"] == "LoadBalancer"
+    for component in ("prefill", "decode", "gateway"):
+        pdb = objs[("PodDisruptionBudget", f"llm-{component}")]["spec"]
+        assert pdb == {"maxUnavailable": 1, "selector": {"matchLabels": names.selector("llm", component)}}
+
+
+def test_every_object_is_owned_and_labelled():
+    for obj in objects({"redis": {"mode": "bundled"}}).values():
+        meta = obj["metadata"]
+        assert meta["ownerReferences"] == [{"apiVersion": "splitserve.dev/v1alpha1", "kind": "SplitServeCluster",
+                                            "name": "llm", "uid": "u", "controller": True, "blockOwnerDeletion": True}]
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "splitserve-operator"
+        assert meta["labels"][names.CLUSTER_LABEL] == "llm" and meta["namespace"] == "serving"
+
+
+# -- config hash ------------------------------------------------------------------------------------------
+def test_config_hash_rolls_pods_on_engine_changes_not_on_scaling():
+    r = resource({})
+    base = config_hash(dump(rendered(r, ReplicaDecision(1, 1, "x"))))
+    scaled = resource({"decode": {"replicas": 4, "maxReplicas": 10}, "ratio": {"min": 0.25}})
+    assert config_hash(dump(rendered(scaled, ReplicaDecision(1, 4, "x")))) == base
+    tuned = resource({"decode": {"engine": {"maxNumSeqs": 64}}})
+    assert config_hash(dump(rendered(tuned, ReplicaDecision(1, 1, "x")))) != base
+
+
+# -- applying and status ------------------------------------------------------------------------------------
+def test_contains_tolerates_server_defaults_and_quantities():
+    wanted = {"spec": {"replicas": 2, "template": {"spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": 1}}}]}}}}
+    live = copy.deepcopy(wanted)
+    live["spec"]["strategy"] = {"type": "RollingUpdate"}
+    live["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1"
+    live["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    assert contains(live, wanted)
+    live["spec"]["replicas"] = 3
+    assert not contains(live, wanted)
+
+
+def test_conditions_keep_their_transition_time_until_they_flip():
+    first = set_condition([], "Ready", False, "ReplicasNotReady", "waiting", 1)
+    old = first[0].model_copy(update={"last_transition_time": "2020-01-01T00:00:00Z"})
+    again = set_condition([old], "Ready", False, "ReplicasNotReady", "still waiting", 2)
+    assert again[0].last_transition_time == "2020-01-01T00:00:00Z" and again[0].observed_generation == 2
+    flipped = set_condition(again, "Ready", True, "AllReplicasReady", "", 2)
+    assert flipped[0].last_transition_time != "2020-01-01T00:00:00Z"
+    both = set_condition(flipped, "Degraded", False, "AsExpected", "", 2)
+    assert [c.type for c in both] == ["Ready", "Degraded"] and isinstance(both[0], Condition)
