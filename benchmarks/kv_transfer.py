@@ -19,16 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
+
+from splitserve.common.proc import ChildDied, JsonLinesChild
 
 if TYPE_CHECKING:
     from splitserve.kv_transfer import KVTransferAgent
@@ -43,7 +42,6 @@ CASES = {
 BLOCK = 16
 START_S = 300.0  # seconds the receiver may take to start (torch import, KV allocation, NIXL init)
 REPLY_S = 300.0  # seconds to wait for any later reply (a transfer's own deadline is 120 s)
-CHECK_S = 0.1  # seconds between looks at whether the receiver is still alive while waiting for it
 
 
 def _kv(layers, heads, dim, blocks, dtype, device, fill):
@@ -83,75 +81,23 @@ def receiver_main(backend: str, device: str, case: str) -> None:
     agent.close()
 
 
-class ReceiverDied(RuntimeError):
-    pass
-
-
-class Receiver:
-    """Handle on the receiver process. Its stderr is passed through to ours, keeping the last lines for the
-    error raised when it dies; every wait for a reply also watches the process."""
+class Receiver(JsonLinesChild):
+    """Handle on the receiver process (its stderr passed through to ours); every wait for a reply also watches
+    the process, so a receiver that dies is reported at once."""
 
     def __init__(self, backend: str, device: str, case: str) -> None:
-        cmd = [sys.executable, os.path.abspath(__file__), "--receiver", backend, device, case]
-        pipe = subprocess.PIPE
-        self.proc = subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
-        self._replies: queue.Queue[str | None] = queue.Queue()  # None: its stdout closed
-        self._stderr_tail: deque[str] = deque(maxlen=20)
-        threading.Thread(target=self._read_replies, name="kv-bench-replies", daemon=True).start()
-        self._stderr_pump = threading.Thread(target=self._read_stderr, name="kv-bench-stderr", daemon=True)
-        self._stderr_pump.start()
-        ready = self.recv(START_S)
+        super().__init__([sys.executable, os.path.abspath(__file__), "--receiver", backend, device, case],
+                         "receiver", echo_stderr=True)
+        ready = self.recv_json(START_S)
         if ready.get("ready") != backend:
-            raise ReceiverDied(f"receiver started backend {ready.get('ready')!r}, not {backend!r}")
-
-    def _read_replies(self) -> None:
-        for line in self.proc.stdout:
-            self._replies.put(line)
-        self._replies.put(None)
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self._stderr_tail.append(line.rstrip("\n"))
-            sys.stderr.write(line)
-
-    def send(self, msg: dict) -> None:
-        try:
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            raise self._died() from None
-
-    def recv(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._replies.get(timeout=CHECK_S)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    raise self._died() from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"receiver (pid {self.proc.pid}) silent for {timeout:.0f} s") from None
-                continue
-            if line is None:
-                raise self._died()
-            return json.loads(line)
-
-    def _died(self) -> ReceiverDied:
-        try:
-            code = self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            code = None  # closed its stdout but lingers
-        self._stderr_pump.join(2)  # its last words
-        tail = "\n".join(self._stderr_tail) or "(nothing on stderr)"
-        return ReceiverDied(f"receiver process (pid {self.proc.pid}) exited with code {code}; "
-                            f"last stderr lines:\n{tail}")
+            raise ChildDied(f"receiver started backend {ready.get('ready')!r}, not {backend!r}")
 
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.send({"op": "stop"})
+                self.send_json({"op": "stop"})
                 self.proc.wait(30)
-            except (ReceiverDied, subprocess.TimeoutExpired):
+            except (ChildDied, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(5)
 
@@ -184,8 +130,8 @@ def _measure(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: 
 
     def one(mode, interval=0.0, verify=False):
         rid = f"{case}-{mode}-{next(counter)}"
-        receiver.send({"op": "expect", "rid": rid, "verify": verify})
-        ticket = TransferTicket.decode(receiver.recv(REPLY_S)["ticket"].encode())
+        receiver.send_json({"op": "expect", "rid": rid, "verify": verify})
+        ticket = TransferTicket.decode(receiver.recv_json(REPLY_S)["ticket"].encode())
         t0 = time.monotonic()
         session = agent.begin(ticket, src)
         last_written = t0
@@ -198,7 +144,7 @@ def _measure(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: 
                 last_written = time.monotonic()
                 session.send_layer(layer)
         session.finish()
-        res = receiver.recv(REPLY_S)
+        res = receiver.recv_json(REPLY_S)
         return res["done"] - t0, res["done"] - last_written, res["digest"]
 
     out = {"name": case, "bytes": nbytes}
@@ -257,7 +203,7 @@ def main() -> None:
         copy_gbps = copy_bandwidth(send_dev, recv_dev)
     try:
         cases = [run_case(args.backend, send_dev, recv_dev, c, args.reps) for c in args.cases.split(",")]
-    except ReceiverDied as e:
+    except ChildDied as e:
         sys.exit(f"kv_transfer benchmark: {e}")
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     print(f"backend={args.backend} device={args.device} sender={send_dev} receiver={recv_dev} gpu={gpu} "

@@ -11,21 +11,18 @@ from __future__ import annotations
 import base64
 import json
 import os
-import queue
-import subprocess
 import sys
 import threading
 import time
-from collections import deque
 
 import torch
 
+from splitserve.common.proc import ChildDied, JsonLinesChild
 from splitserve.kv_transfer import KVLayout, TransferTicket, make_agent
 
 SHAPE = dict(num_layers=6, num_blocks=96, block_size=16, heads=2, head_dim=32)
 START_S = 60.0  # seconds a peer may take to report ready (torch import, agent start)
 READ_S = 30.0  # seconds to wait for any later report
-CHECK_S = 0.1  # seconds between looks at whether the peer is still alive while waiting on it
 
 
 def make_kv(seed: int, dtype=torch.float32, fill: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -40,22 +37,14 @@ def make_kv(seed: int, dtype=torch.float32, fill: bool = True) -> list[tuple[tor
     return out
 
 
-class PeerDied(RuntimeError):
-    pass
+PeerDied = ChildDied
 
 
-class Peer:
+class Peer(JsonLinesChild):
     """The test side: starts `kv_peer.py BACKEND SEED`, sends it commands, reads its reports."""
 
     def __init__(self, backend: str, seed: int) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, __file__, backend, str(seed)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self._reports: queue.Queue[str | None] = queue.Queue()  # None: its stdout closed
-        self._stderr_tail: deque[str] = deque(maxlen=20)
-        threading.Thread(target=self._read_reports, name="kv-peer-reports", daemon=True).start()
-        self._stderr_pump = threading.Thread(target=self._read_stderr, name="kv-peer-stderr", daemon=True)
-        self._stderr_pump.start()
+        super().__init__([sys.executable, __file__, backend, str(seed)], "peer")
         try:
             ready = self.read(START_S)
         except TimeoutError:
@@ -65,48 +54,12 @@ class Peer:
             self.close()
             raise PeerDied(f"peer started backend {ready.get('ready')!r}, not {backend!r}")
 
-    def _read_reports(self) -> None:
-        for line in self.proc.stdout:
-            self._reports.put(line)
-        self._reports.put(None)
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self._stderr_tail.append(line.rstrip("\n"))
-
     def send(self, ticket: TransferTicket, src: list[int], **kw) -> None:
-        cmd = {"ticket": base64.b64encode(ticket.encode()).decode(), "src": src, **kw}
-        try:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            raise self._died() from None
+        self.send_json({"ticket": base64.b64encode(ticket.encode()).decode(), "src": src, **kw})
 
     def read(self, timeout: float = READ_S) -> dict:
         """The next report; raises PeerDied once the process is gone, TimeoutError after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._reports.get(timeout=CHECK_S)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    raise self._died() from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"peer (pid {self.proc.pid}) silent for {timeout:.0f} s") from None
-                continue
-            if line is None:
-                raise self._died()
-            return json.loads(line)
-
-    def _died(self) -> PeerDied:
-        try:
-            code = self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            code = None  # closed its stdout but lingers
-        self._stderr_pump.join(2)  # its last words
-        tail = "\n".join(self._stderr_tail) or "(nothing on stderr)"
-        return PeerDied(f"peer process (pid {self.proc.pid}) exited with code {code}; "
-                        f"last stderr lines:\n{tail}")
+        return self.recv_json(timeout)
 
     def kill(self) -> None:
         self.proc.kill()

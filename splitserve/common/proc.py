@@ -1,12 +1,19 @@
-"""Process helpers shared by the launcher, the tensor-parallel ranks and the tests: free ports and children
-that die with their parent."""
+"""Process helpers shared by the launcher, the tensor-parallel ranks, the benchmarks and the tests: free ports,
+children that die with their parent, and children spoken to in JSON lines that are watched while we wait."""
 
 from __future__ import annotations
 
 import ctypes
+import json
+import os
+import queue
 import signal
 import socket
+import subprocess
 import sys
+import threading
+import time
+from collections import deque
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -21,3 +28,70 @@ def die_with_parent() -> None:
         return
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class ChildDied(RuntimeError):
+    """A watched child process exited (or closed its output) while we waited on it."""
+
+
+class JsonLinesChild:
+    """A child process spoken to in JSON lines (commands on its stdin, one reply per line on its stdout), watched
+    whenever we wait on it: a child that dies, at start or later, raises `ChildDied` within `check_s`, naming its
+    exit code and its last stderr lines, instead of leaving the caller to an outer timeout."""
+
+    def __init__(self, cmd: list[str], what: str, echo_stderr: bool = False, check_s: float = 0.1) -> None:
+        self.what = what
+        self.check_s = check_s
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                     preexec_fn=die_with_parent)
+        self._lines: queue.Queue[str | None] = queue.Queue()  # None: its stdout closed
+        self._stderr_tail: deque[str] = deque(maxlen=20)
+        self._echo = echo_stderr
+        threading.Thread(target=self._read_stdout, name=f"{what}-stdout", daemon=True).start()
+        self._stderr_pump = threading.Thread(target=self._read_stderr, name=f"{what}-stderr", daemon=True)
+        self._stderr_pump.start()
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr_tail.append(line.rstrip("\n"))
+            if self._echo:
+                sys.stderr.write(line)
+
+    def send_json(self, msg: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self.died() from None
+
+    def recv_json(self, timeout: float) -> dict:
+        """The next reply; ChildDied once the process is gone, TimeoutError after `timeout` seconds of silence."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=self.check_s)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise self.died() from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.what} (pid {self.proc.pid}) silent for {timeout:.0f} s") from None
+                continue
+            if line is None:
+                raise self.died()
+            return json.loads(line)
+
+    def died(self) -> ChildDied:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None  # closed its stdout but lingers
+        self._stderr_pump.join(2)  # its last words
+        tail = "\n".join(self._stderr_tail) or "(nothing on stderr)"
+        return ChildDied(f"{self.what} process (pid {self.proc.pid}) exited with code {code}; "
+                         f"last stderr lines:\n{tail}")
