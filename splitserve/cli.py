@@ -8,6 +8,7 @@ the file. Every user error is one line on stderr and exit code 2, never a traceb
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -108,7 +109,7 @@ ENGINE_FLAGS = [
 def generate(resource: ClusterResource, prompt: str, chat: bool, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, stop: tuple[str, ...], ignore_eos: bool, as_json: bool) -> None:
     """Run the engine offline on one prompt."""
-    setup_logging("warning" if as_json else None)
+    setup_logging(os.environ.get("SPLITSERVE_LOG_LEVEL", "warning"))
     _prepare(resource)
     from splitserve.common.model_files import ModelNotFoundError
     from splitserve.common.sampling import SamplingParams

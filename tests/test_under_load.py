@@ -294,7 +294,7 @@ def test_token_bytes_rebuild_multibyte_text():
     from splitserve.engine.model_files import prepare_model
 
     tok = Tokenizer(prepare_model("smollm2"))
-    text = "naïve café — 中文 🙂"
+    text = "naïve café — 中文 🙂 ꙮ𒀀 Ελληνικά"
     ids = tok.encode(text, add_special_tokens=False)
     pieces = [tok.token_bytes(i) for i in ids]
     assert b"".join(pieces).decode() == text
