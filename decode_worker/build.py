@@ -12,15 +12,16 @@ from splitserve.common.worker_context import WorkerContext
 from splitserve.decode_worker.metrics import LOCAL_PREFILL, LOCAL_PREFILL_REASONS
 from splitserve.decode_worker.service import DecodeService
 from splitserve.engine.interface import ServingEngine
-from splitserve.kv_transfer import KVLayout, make_agent
 from splitserve.kv_transfer import metrics as kv_metrics
 from splitserve.kv_transfer.pool import make_pool
+from splitserve.kv_transfer.sharded import make_worker_agent
 
 log = logging.getLogger("splitserve.decode_worker")
 
 
 async def build(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext) -> DecodeService:
-    agent = await asyncio.to_thread(make_agent, spec.kv_transfer.backend, KVLayout(engine.kv_tensors()), ctx.host)
+    # one agent per tensor-parallel rank, each over its own KV shard, composed on this rank (rank 0)
+    agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "decode")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
     kv_metrics.BYTES.labels("recv", agent.backend.name)
     for reason in LOCAL_PREFILL_REASONS:  # every series from the start, so dashboards see them

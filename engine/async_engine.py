@@ -20,6 +20,7 @@ from splitserve.common.sampling import Logprob, SamplingParams
 from splitserve.engine.interface import KVEventListener, KVLayerHook
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.parallel_link import RankLink
 
 log = logging.getLogger("splitserve.engine.async")
 T = TypeVar("T")
@@ -34,6 +35,7 @@ class AsyncEngine:
         self.engine = engine
         self.facts = engine.facts
         self.kv_spec = engine.kv_spec
+        self.kv_shard = engine.kv_shard
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stopped = False
@@ -86,6 +88,9 @@ class AsyncEngine:
     # -- set-up (before requests flow) -----------------------------------------------------------------
     def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.engine.kv_tensors()
+
+    def follower_links(self) -> list[RankLink]:
+        return self.engine.follower_links()
 
     def add_layer_hook(self, hook: KVLayerHook) -> None:
         self._commands.append(lambda: self.engine.add_layer_hook(hook))

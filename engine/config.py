@@ -95,6 +95,9 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1  # processes (one per GPU) sharing each layer
     expert_parallel: bool = False  # MoE: spread whole experts over the ranks instead of splitting each one
+    # module:callable building each follower rank's KV connector (the worker side of KV streaming), e.g.
+    # splitserve.kv_transfer.rank_connector:follower_connector; "" for none
+    rank_connector: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

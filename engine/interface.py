@@ -20,6 +20,8 @@ from splitserve.engine.outputs import RequestOutput
 if TYPE_CHECKING:
     import torch
 
+    from splitserve.engine.parallel import KVShard
+    from splitserve.engine.parallel_link import RankLink
     from splitserve.engine.scheduler import ScheduledRequest
 
 
@@ -42,6 +44,10 @@ class KVLayerHook(Protocol):
     `on_layer_written(i)` for this step (which then runs eagerly, not as a CUDA graph). On CUDA a layer's write
     is queued on the current stream, so a hook that hands the memory to another stream or agent records a CUDA
     event and waits on it before reading. Hooks run on the engine thread and must not block.
+
+    Under tensor parallelism each rank holds a shard of the KV heads, so a hook must also say what the other
+    ranks do in the step: `rank_plan()` (called after a True `on_step_begin`) returns ints that travel with
+    the step to every follower's KV connector (`parallel.rank_connector`); hooks without it are refused.
     """
 
     def on_step_begin(self, scheduled: list[ScheduledRequest]) -> bool: ...
@@ -59,10 +65,15 @@ class ServingEngine(Protocol):
 
     facts: ModelFacts
     kv_spec: KVCacheSpec
+    kv_shard: KVShard  # which KV heads rank 0 (this process) holds, of how many, over how many ranks
     dead: bool  # no step can run any more (the worker should be restarted)
 
     def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]: what transfer agents register."""
+        ...
+
+    def follower_links(self) -> list[RankLink]:
+        """Under tensor parallelism, message links to ranks 1..N-1 (their KV connectors); else empty."""
         ...
 
     def add_layer_hook(self, hook: KVLayerHook) -> None: ...

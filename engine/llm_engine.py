@@ -21,10 +21,12 @@ from splitserve.engine.loading import build_runner, rank_device
 from splitserve.engine.model_runner import DTYPES
 from splitserve.engine.models.loader import load_arch
 from splitserve.engine.outputs import RequestOutput
-from splitserve.engine.parallel import ParallelContext, check_shardable
+from splitserve.engine.parallel import KVShard, ParallelContext, check_shardable, replicate_kv_heads
+from splitserve.engine.parallel_link import RankLink
 from splitserve.engine.parallel_worker import start_followers, stop_followers
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.scheduler import SampledToken, Scheduler
+from splitserve.engine.step_batch import send_kv_copy
 
 log = logging.getLogger("splitserve.engine")
 
@@ -37,13 +39,14 @@ class LLMEngine:
         self.device = rank_device(config, 0)
         self.parallel: ParallelContext | None = None
         self._followers: list = []
+        self._links: list[RankLink] = []
         if config.parallel.tensor_parallel_size > 1:
             arch = load_arch(resolve_model(mc.model, need_weights=False))
             check_shardable(arch, config.parallel.tensor_parallel_size, config.parallel.expert_parallel)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             # the followers load their shards while this process loads its own
-            self.parallel, self._followers = start_followers(config, self.device)
+            self.parallel, self._followers, self._links = start_followers(config, self.device)
         self.runner, num_blocks, self.model_dir = build_runner(config, self.device, self.parallel)
         self.arch, self.dtype = self.runner.arch, self.runner.dtype
         self.max_model_len = self.runner.max_model_len
@@ -52,6 +55,7 @@ class LLMEngine:
         dtype_name = next(k for k, v in DTYPES.items() if v == self.dtype)
         self.kv_spec = KVCacheSpec(num_blocks, block_size, self.arch.num_layers, self.runner.num_kv_heads,
                                    self.arch.head_dim, dtype_name, str(self.device))
+        self.kv_shard = KVShard.of(self.arch.num_kv_heads, 0, config.parallel.tensor_parallel_size)
         self._kv_listeners: list[KVEventListener] = []
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
                                    salt=self.model_name, on_kv_event=self._on_kv_event)
@@ -65,9 +69,14 @@ class LLMEngine:
                  config.parallel.tensor_parallel_size)
 
     def add_layer_hook(self, hook: KVLayerHook) -> None:
-        if self.parallel is not None:
-            raise ValueError("per-layer KV hooks are not supported with tensor_parallel_size > 1")
+        if self.parallel is not None and not callable(getattr(hook, "rank_plan", None)):
+            raise ValueError("under tensor_parallel_size > 1 a per-layer KV hook must plan the other ranks' part "
+                             "(rank_plan)")
         self.layer_hooks.append(hook)
+
+    def follower_links(self) -> list[RankLink]:
+        """Message links to ranks 1..N-1 (index r-1 for rank r); empty on one device."""
+        return list(self._links)
 
     def add_kv_event_listener(self, listener: KVEventListener) -> None:
         self._kv_listeners.append(listener)
@@ -85,6 +94,8 @@ class LLMEngine:
             self.runner.graphs = None  # graphs hold the communicators: release them first
             stop_followers(self.parallel, self._followers)
             self.parallel = None
+            for link in self._links:
+                link.close()
 
     # -- requests -----------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -144,7 +155,15 @@ class LLMEngine:
         self.scheduler.admit_loaded(request_id, (first_block + len(data)) * self.kv_spec.block_size)
 
     def admit_remote(self, request_id: str, first_token_id: int, first_logprob: Logprob | None = None) -> RequestOutput:
-        """The prompt KV landed: the request joins the batch, continuing after `first_token_id`."""
+        """The prompt KV landed: the request joins the batch, continuing after `first_token_id`.
+
+        Under tensor parallelism with fewer KV heads than ranks, the KV landed on each head's first holder: the
+        ranks sharing a head copy it from there first."""
+        if self.parallel is not None and self.kv_shard.replicated:
+            blocks = self.scheduler.kv.get_block_ids(request_id)
+            if blocks:
+                send_kv_copy(self.parallel, blocks)
+                replicate_kv_heads(self.parallel, self.runner.kv_caches, blocks, self.arch.num_kv_heads)
         request = self.scheduler.admit_remote(request_id, SampledToken(first_token_id, first_logprob))
         return self._emit(request, [SampledToken(first_token_id, first_logprob)])
 

@@ -98,6 +98,8 @@ class ModelRunner:
         layered = [h for h in hooks if h.on_step_begin(order)]  # hooks that want this step layer by layer
         batch = self.build(order, graphs_ok=not layered)
         if self.parallel is not None:
+            for h in layered:  # under tensor parallelism a layered hook plans the other ranks' part too
+                batch.rank_plan += h.rank_plan()
             send_step(self.parallel, batch)
         logits = self.forward(batch, _fan_out(layered) if layered else None)
         for h in hooks:

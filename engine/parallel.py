@@ -115,13 +115,68 @@ def _split(n: int, ctx: ParallelContext, what: str) -> range:
 
 
 def _kv_heads(num_kv_heads: int, ctx: ParallelContext) -> range:
-    """KV heads this rank holds; with fewer KV heads than ranks each rank holds (a replica of) one."""
-    if num_kv_heads >= ctx.world_size:
-        return _split(num_kv_heads, ctx, "num_key_value_heads")
-    if ctx.world_size % num_kv_heads:
-        raise ValueError(f"num_key_value_heads={num_kv_heads} must divide tensor_parallel_size={ctx.world_size}")
-    h = ctx.rank * num_kv_heads // ctx.world_size
+    return kv_head_range(num_kv_heads, ctx.rank, ctx.world_size)
+
+
+def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> range:
+    """KV heads rank `rank` of `world_size` holds (global head indices, a contiguous run): an equal split, or
+    with fewer KV heads than ranks one head per rank, shared by world_size / num_kv_heads consecutive ranks.
+    The KV cache shard layout every rank and every transfer ticket agrees on (`kv_transfer/ticket.py`)."""
+    if num_kv_heads >= world_size:
+        if num_kv_heads % world_size:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} is not divisible by tensor_parallel_size={world_size}")
+        per = num_kv_heads // world_size
+        return range(rank * per, (rank + 1) * per)
+    if world_size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads={num_kv_heads} must divide tensor_parallel_size={world_size}")
+    h = rank * num_kv_heads // world_size
     return range(h, h + 1)
+
+
+@dataclass(frozen=True)
+class KVShard:
+    """Which KV heads this rank's cache holds: per layer K and V are [num_blocks, block_size, num_heads, head_dim]
+    holding global heads head_start .. head_start + num_heads - 1 of num_kv_heads. Block ids are the same on
+    every rank (rank 0 schedules for all)."""
+
+    rank: int = 0
+    world_size: int = 1
+    head_start: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0  # the model's, over all ranks
+
+    @classmethod
+    def of(cls, num_kv_heads: int, rank: int, world_size: int) -> KVShard:
+        heads = kv_head_range(num_kv_heads, rank, world_size)
+        return cls(rank, world_size, heads.start, len(heads), num_kv_heads)
+
+    @property
+    def replicated(self) -> bool:
+        """Several ranks hold each head (fewer KV heads than ranks)."""
+        return self.num_kv_heads < self.world_size
+
+
+def replicate_kv_heads(ctx: ParallelContext, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       block_ids: list[int], num_kv_heads: int) -> None:
+    """With fewer KV heads than ranks, make every rank sharing a head hold that head's `block_ids` as its first
+    holder has them (KV that arrived from outside lands on the first holder only). Every rank calls this for
+    the same blocks at the same point in the step sequence; point-to-point sends, so no sub-groups."""
+    if num_kv_heads >= ctx.world_size or not block_ids:
+        return
+    share = ctx.world_size // num_kv_heads  # ranks per head
+    first = ctx.rank - ctx.rank % share
+    k0 = kv_caches[0][0]
+    idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
+    # [layers, 2, n, block_size, 1, head_dim]: the blocks of this rank's one head, every layer's K and V
+    buf = torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)]) for k, v in kv_caches])
+    if ctx.rank == first:
+        for r in range(first + 1, first + share):
+            dist.send(buf, dst=r, group=ctx.group)
+        return
+    dist.recv(buf, src=first, group=ctx.group)
+    for layer, (k, v) in enumerate(kv_caches):
+        k.index_copy_(0, idx, buf[layer, 0])
+        v.index_copy_(0, idx, buf[layer, 1])
 
 
 def _rows(units: range, unit: int, offset: int = 0) -> torch.Tensor:

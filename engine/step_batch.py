@@ -1,7 +1,10 @@
 """One forward pass as plain integers: built by the model runner from the scheduler's output, and what rank 0
 sends every other tensor-parallel rank so all of them run the same step (`send_step` / `receive_step`).
 
-The wire form is one int64 tensor (no pickle): a fixed header, then the lists back to back.
+The wire form is one int64 tensor (no pickle): a fixed header, then the lists back to back. A step may carry a
+`rank_plan`: what the ranks' KV connectors do during it (which requests' blocks to stream, layer by layer),
+made on rank 0 by the layer hook that schedules transfers and read by each follower's connector. Between
+steps rank 0 may also send a `KVCopy`: ranks sharing a KV head copy imported blocks from its first holder.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import torch.distributed as dist
 
 from splitserve.engine.parallel import ParallelContext
 
-WIRE_VERSION = 1
-_HEADER = 8  # version, use_graph, num_tokens, num_decodes, num_prefills, num_samples, table_width, payload length
+WIRE_VERSION = 2
+_HEADER = 9  # version, use_graph, num_tokens, num_decodes, num_prefills, num_samples, table_width, plan length,
+# payload length
 
 
 @dataclass
@@ -37,6 +41,7 @@ class StepBatch:
     prefills: list[PrefillChunk] = field(default_factory=list)
     sample_idx: list[int] = field(default_factory=list)  # rows whose logits are sampled
     use_graph: bool = False
+    rank_plan: list[int] = field(default_factory=list)  # for the followers' KV connectors (opaque here)
 
     @property
     def num_decodes(self) -> int:
@@ -45,7 +50,7 @@ class StepBatch:
     def encode(self) -> torch.Tensor:
         width = max((len(t) for t in self.decode_block_tables), default=0)
         flat: list[int] = [WIRE_VERSION, int(self.use_graph), len(self.input_ids), self.num_decodes,
-                           len(self.prefills), len(self.sample_idx), width, 0]
+                           len(self.prefills), len(self.sample_idx), width, len(self.rank_plan), 0]
         flat += self.input_ids
         flat += self.positions
         flat += self.slot_mapping
@@ -57,7 +62,8 @@ class StepBatch:
             flat += (p.token_start, p.num_tokens, p.context_start, len(p.block_ids))
             flat += p.block_ids
         flat += self.sample_idx
-        flat[7] = len(flat) - _HEADER
+        flat += self.rank_plan
+        flat[8] = len(flat) - _HEADER
         return torch.tensor(flat, dtype=torch.long)
 
     @classmethod
@@ -66,8 +72,8 @@ class StepBatch:
         v = wire.tolist()
         if len(v) < _HEADER or v[0] != WIRE_VERSION:
             raise ValueError("step batch: bad header or version")
-        _, graph, t, nd, npf, ns, width, length = v[:_HEADER]
-        if length != len(v) - _HEADER or min(t, nd, npf, ns, width) < 0 or nd > t:
+        _, graph, t, nd, npf, ns, width, nplan, length = v[:_HEADER]
+        if length != len(v) - _HEADER or min(t, nd, npf, ns, width, nplan) < 0 or nd > t:
             raise ValueError("step batch: sizes do not match the payload")
         pos = _HEADER
 
@@ -90,37 +96,57 @@ class StepBatch:
             start, n, ctx, nb = take(4)
             prefills.append(PrefillChunk(start, n, ctx, take(nb)))
         sample = take(ns)
+        plan = take(nplan)
         if pos != len(v):
             raise ValueError("step batch: trailing data")
         blocks = [b for row in tables for b in row] + [b for p in prefills for b in p.block_ids]
         if any(not 0 <= b <= num_blocks for b in blocks) or any(not 0 <= s < t for s in sample):
             raise ValueError("step batch: block id or sample row out of range")
-        return cls(ids, positions, slots, tables, lens, prefills, sample, bool(graph))
+        return cls(ids, positions, slots, tables, lens, prefills, sample, bool(graph), plan)
 
 
-_STOP, _STEP = 0, 1
+@dataclass
+class KVCopy:
+    """Between steps: ranks that share a KV head copy these blocks from the head's first holder."""
+
+    block_ids: list[int]
+
+
+_STOP, _STEP, _KV_COPY = 0, 1, 2
 _MAX_WIRE = 1 << 26  # int64s in one step message
 
 
-def send_step(ctx: ParallelContext, batch: StepBatch) -> None:
-    wire = batch.encode()
-    dist.broadcast(torch.tensor([_STEP, wire.numel()], dtype=torch.long), src=0, group=ctx.control)
+def _send(ctx: ParallelContext, kind: int, wire: torch.Tensor) -> None:
+    dist.broadcast(torch.tensor([kind, wire.numel()], dtype=torch.long), src=0, group=ctx.control)
     dist.broadcast(wire, src=0, group=ctx.control)
+
+
+def send_step(ctx: ParallelContext, batch: StepBatch) -> None:
+    _send(ctx, _STEP, batch.encode())
+
+
+def send_kv_copy(ctx: ParallelContext, block_ids: list[int]) -> None:
+    _send(ctx, _KV_COPY, torch.tensor(block_ids, dtype=torch.long))
 
 
 def send_stop(ctx: ParallelContext) -> None:
     dist.broadcast(torch.tensor([_STOP, 0], dtype=torch.long), src=0, group=ctx.control)
 
 
-def receive_step(ctx: ParallelContext, num_blocks: int) -> StepBatch | None:
-    """The next step from rank 0, or None when told to stop."""
+def receive_step(ctx: ParallelContext, num_blocks: int) -> StepBatch | KVCopy | None:
+    """The next message from rank 0: a step, a KV copy, or None when told to stop."""
     head = torch.empty(2, dtype=torch.long)
     dist.broadcast(head, src=0, group=ctx.control)
     kind, n = head.tolist()
     if kind == _STOP:
         return None
-    if kind != _STEP or not 0 < n <= _MAX_WIRE:
+    if kind not in (_STEP, _KV_COPY) or not 0 < n <= _MAX_WIRE:
         raise ValueError(f"bad step message header {kind}, {n}")
     wire = torch.empty(n, dtype=torch.long)
     dist.broadcast(wire, src=0, group=ctx.control)
+    if kind == _KV_COPY:
+        blocks = wire.tolist()
+        if any(not 0 <= b < num_blocks for b in blocks):
+            raise ValueError("kv copy: block id out of range")
+        return KVCopy(blocks)
     return StepBatch.decode(wire, num_blocks)

@@ -3,6 +3,12 @@
 The backend moves bytes; this module decides what is expected, what is done and what failed. Every pending
 transfer ends in exactly one of: done, TransferTimeout, TransferError, TransferCancelled — and is then
 forgotten, so nothing stays reserved here.
+
+One agent serves one rank's KV shard (`KVLayout.shard`). As a receiver it counts, per layer, the final K and V
+writes of every sender routed to it (`Route.num_src`: several prefill ranks write into one decode rank when
+the prefill worker has the larger tensor-parallel size). As a sender it writes only its own routes
+(`shards.plan_routes`), one channel per receiving rank. Workers with several ranks compose agents in
+`sharded.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,7 +34,8 @@ from splitserve.kv_transfer.errors import (
     TransferTimeout,
 )
 from splitserve.kv_transfer.layout import KVLayout, coalesce
-from splitserve.kv_transfer.ticket import TransferTicket
+from splitserve.kv_transfer.shards import Route, plan_routes
+from splitserve.kv_transfer.ticket import RankEndpoint, TransferTicket
 
 log = logging.getLogger("splitserve.kv_transfer")
 
@@ -37,7 +44,8 @@ REAP_S = 0.02  # seconds between deadline checks while transfers are pending (no
 
 
 class Channel(Protocol):
-    """Sender side of one transfer: write runs (src_block, dst_block, n) of one layer's K and V."""
+    """Sender side of one transfer to one receiving rank along one `Route`: write runs (src_block, dst_block, n)
+    of one layer's K and V, the route's heads only."""
 
     def write_layer(self, layer: int, runs: list[tuple[int, int, int]], final: bool) -> int: ...
 
@@ -58,18 +66,32 @@ class Backend(Protocol):
 
     def start(self, agent: KVTransferAgent) -> None: ...
 
-    def ticket_fields(self) -> dict: ...
+    def endpoint_fields(self) -> dict:
+        """This agent's part of a `RankEndpoint` (tcp: endpoint; nixl: metadata, regions)."""
 
-    def open_channel(self, ticket: TransferTicket) -> Channel: ...
+    def open_channel(self, ticket: TransferTicket, route: Route) -> Channel: ...
 
     def close(self) -> None: ...
 
 
 @dataclass
+class Expected:
+    """What a receiving rank accepts for one request (backends check every write against it)."""
+
+    request_id: str
+    num_layers: int
+    block_ids: list[int]
+    skip_blocks: int
+    deadline: float  # unix time
+
+
+@dataclass
 class _Pending:
-    ticket: TransferTicket
+    ticket: Expected
     created: float
-    final_parts: dict[int, set[int]] = field(default_factory=dict)  # layer -> {0 (K), 1 (V)} received final
+    # layer -> {(sender rank, 0 K / 1 V)} whose final write landed; the layer is done with 2 * num_src of them
+    final_parts: dict[int, set[tuple[int, int]]] = field(default_factory=dict)
+    num_src: int = 0  # senders routed to this rank (0: not known yet, from the first write)
     layers_done: set[int] = field(default_factory=set)
     bytes: int = 0
     done: threading.Event = field(default_factory=threading.Event)
@@ -82,6 +104,8 @@ class KVTransferAgent:
         self.layout = layout
         self.backend = backend
         self.name = name or f"splitserve-{uuid.uuid4().hex[:12]}"
+        # called (on whichever thread ended it) with each expected transfer's outcome: (request id, error)
+        self.on_finish: Callable[[str, TransferError | None], None] | None = None
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._expected = threading.Condition(self._lock)  # notified by expect(): wakes idle pollers
@@ -98,27 +122,49 @@ class KVTransferAgent:
         self._reaper.start()
 
     # == receiver (decode) side ====================================================================
-    def expect(self, request_id: str, block_ids: Sequence[int], skip_blocks: int = 0,
-               timeout_s: float = 30.0) -> TransferTicket:
-        """Publish a ticket for blocks the engine reserved; the transfer must land within `timeout_s`."""
-        if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
-            raise ValueError("block id out of range of the registered KV cache")
+    def endpoint(self) -> RankEndpoint:
+        """This rank's entry in a ticket's `ranks`."""
+        shard = self.layout.shard
+        return RankEndpoint(agent=self.name, head_start=shard.head_start, num_heads=shard.num_heads,
+                            device_id=self.layout.device.index or 0,
+                            mem_type="VRAM" if self.layout.is_cuda else "DRAM", **self.backend.endpoint_fields())
+
+    def make_ticket(self, request_id: str, block_ids: Sequence[int], skip_blocks: int, deadline: float,
+                    ranks: list[RankEndpoint]) -> TransferTicket:
+        """A ticket naming `ranks` (every rank of this worker, in rank order) as the receivers."""
         ticket = TransferTicket(
-            request_id=request_id, backend=self.backend.name, agent=self.name,
-            num_layers=self.layout.num_layers, block_bytes=self.layout.block_bytes, dtype=self.layout.dtype,
-            block_ids=list(block_ids), skip_blocks=skip_blocks, num_blocks=self.layout.num_blocks,
-            deadline=time.time() + timeout_s,
-            device_id=self.layout.device.index or 0, mem_type="VRAM" if self.layout.is_cuda else "DRAM",
-            **self.backend.ticket_fields(),
+            request_id=request_id, backend=self.backend.name, num_layers=self.layout.num_layers,
+            dtype=self.layout.dtype, block_size=self.layout.block_size, num_kv_heads=self.layout.shard.num_kv_heads,
+            head_dim=self.layout.head_dim, block_ids=list(block_ids), ranks=ranks, skip_blocks=skip_blocks,
+            num_blocks=self.layout.num_blocks, deadline=deadline,
         )
         ticket.validate()
+        return ticket
+
+    def expect(self, request_id: str, block_ids: Sequence[int], skip_blocks: int = 0,
+               timeout_s: float = 30.0) -> TransferTicket:
+        """Publish a ticket for blocks the engine reserved; the transfer must land within `timeout_s`.
+        (A worker of one rank; with several, `sharded.ShardedReceiver` composes the ranks' agents.)"""
+        if self.layout.shard.world_size != 1:
+            raise ValueError("expect() is for a single-rank worker; use ShardedReceiver")
+        deadline = time.time() + timeout_s
+        ticket = self.make_ticket(request_id, block_ids, skip_blocks, deadline, [self.endpoint()])
+        self.expect_local(request_id, block_ids, skip_blocks, deadline)
+        return ticket
+
+    def expect_local(self, request_id: str, block_ids: Sequence[int], skip_blocks: int, deadline: float) -> None:
+        """Accept writes into these blocks of this rank's shard until `deadline` (unix time)."""
+        if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
+            raise ValueError("block id out of range of the registered KV cache")
+        if not 0 <= skip_blocks < len(block_ids):
+            raise ValueError("skip_blocks out of range")
+        expected = Expected(request_id, self.layout.num_layers, list(block_ids), skip_blocks, deadline)
         with self._lock:
             if request_id in self._pending:
                 raise ValueError(f"a transfer for {request_id!r} is already expected")
-            self._pending[request_id] = _Pending(ticket, time.monotonic())
+            self._pending[request_id] = _Pending(expected, time.monotonic())
             self._expected.notify_all()
         metrics.IN_FLIGHT.labels("recv", self.backend.name).inc()
-        return ticket
 
     def _get(self, request_id: str) -> _Pending | None:
         return self._pending.get(request_id) or self._finished.get(request_id)
@@ -182,30 +228,47 @@ class KVTransferAgent:
                 self._expected.wait(timeout)  # an early (spurious) return only makes the caller look sooner
             return bool(self._pending)
 
-    def lookup(self, request_id: str) -> TransferTicket | None:
+    def lookup(self, request_id: str) -> Expected | None:
         with self._lock:
             p = self._pending.get(request_id)
             return None if p is None or p.done.is_set() else p.ticket
 
-    def landed(self, request_id: str, layer: int, parts: Sequence[int], final: bool, nbytes: int) -> None:
-        """Bytes of `layer`'s K (0) and/or V (1) landed (layer -1: every layer); `final` marks the request's
-        last write of that layer."""
+    def landed(self, request_id: str, layer: int, parts: Sequence[int], final: bool, nbytes: int,
+               src: int = 0, num_src: int = 1) -> None:
+        """Bytes of `layer`'s K (0) and/or V (1) landed from sender rank `src`, one of `num_src` sender ranks
+        routed here (layer -1: every layer); `final` marks that sender's last write of that layer."""
         complete = False
+        bad = None
         with self._lock:
             p = self._pending.get(request_id)
             if p is None or p.done.is_set():
                 return
-            p.bytes += nbytes
-            if final:
-                for i in range(p.ticket.num_layers) if layer < 0 else (layer,):
-                    got = p.final_parts.setdefault(i, set())
-                    got.update(parts)
-                    if got == {0, 1}:
-                        p.layers_done.add(i)
-                complete = len(p.layers_done) == p.ticket.num_layers
+            if num_src < 1 or (p.num_src and p.num_src != num_src):
+                bad = TransferError(f"{request_id}: {num_src} senders announced, {p.num_src} before")
+            else:
+                p.num_src = num_src
+                p.bytes += nbytes
+                if final:
+                    for i in range(p.ticket.num_layers) if layer < 0 else (layer,):
+                        got = p.final_parts.setdefault(i, set())
+                        got.update((src, kv) for kv in parts)
+                        if len(got) == 2 * num_src:
+                            p.layers_done.add(i)
+                    complete = len(p.layers_done) == p.ticket.num_layers
+        if bad is not None:
+            self._finish(request_id, bad)
+            return
         metrics.BYTES.labels("recv", self.backend.name).inc(nbytes)
         if complete:
             self._finish(request_id, None)
+
+    def sender_done(self, request_id: str, src: int) -> bool:
+        """Whether sender rank `src` made its final write of every layer's K and V for this request."""
+        with self._lock:
+            p = self._pending.get(request_id)
+            if p is None:
+                return True
+            return all({(src, 0), (src, 1)} <= p.final_parts.get(i, set()) for i in range(p.ticket.num_layers))
 
     def fail(self, request_id: str, error: TransferError) -> None:
         self._finish(request_id, error)
@@ -228,6 +291,8 @@ class KVTransferAgent:
             log.warning("kv transfer %s failed: %s", request_id, error)
         for loop, fut in waiters:
             loop.call_soon_threadsafe(self._settle, fut, error)
+        if self.on_finish is not None:
+            self.on_finish(request_id, error)
 
     @staticmethod
     def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
@@ -251,8 +316,8 @@ class KVTransferAgent:
 
     # == sender (prefill) side =====================================================================
     def begin(self, ticket: TransferTicket, src_block_ids: Sequence[int]) -> SendSession:
-        """Start sending into a ticket's blocks from our `src_block_ids` (same order; a prefix of the
-        prompt's blocks is enough to start, the session's list may grow as blocks are allocated)."""
+        """Start sending this rank's routes into a ticket's blocks from our `src_block_ids` (same order; a prefix
+        of the prompt's blocks is enough to start, the session's list may grow as blocks are allocated)."""
         ticket.validate()
         ticket.check_compatible(self.layout)
         if ticket.backend != self.backend.name:
@@ -261,7 +326,10 @@ class KVTransferAgent:
             raise MalformedTicket(f"ticket has {len(ticket.block_ids)} blocks, sender has {len(src_block_ids)}")
         if any(not 0 <= b < self.layout.num_blocks for b in src_block_ids):
             raise ValueError("source block id out of range")
-        return SendSession(self, ticket, list(src_block_ids))
+        shard = self.layout.shard
+        routes = [r for r in plan_routes(ticket.num_kv_heads, shard.world_size, len(ticket.ranks))
+                  if r.src_rank == shard.rank]
+        return SendSession(self, ticket, list(src_block_ids), routes)
 
     def _send_loop(self) -> None:
         busy = False  # writes may be in flight: poll every SEND_POLL_S; otherwise block until the next job
@@ -292,15 +360,18 @@ class KVTransferAgent:
 
 
 class SendSession:
-    """One request's stream: `send_layer` queues layer i's blocks; `finish` waits for all of it."""
+    """One request's stream from one rank: `send_layer` queues layer i's blocks of every route this rank sends
+    (none, for a rank whose heads another rank sends); `finish` waits for all of it."""
 
-    def __init__(self, agent: KVTransferAgent, ticket: TransferTicket, src_block_ids: list[int]) -> None:
+    def __init__(self, agent: KVTransferAgent, ticket: TransferTicket, src_block_ids: list[int],
+                 routes: list[Route]) -> None:
         self.agent = agent
         self.ticket = ticket
         self.src_block_ids = src_block_ids
+        self.routes = routes
         self.error: TransferError | None = None
         self.bytes = 0
-        self._channel: Channel | None = None
+        self._channels: list[Channel] | None = None  # one per route, opened at the first write
         self._queued = 0
         self._done_jobs = 0
         self._cv = threading.Condition()
@@ -353,9 +424,9 @@ class SendSession:
 
         def poll() -> None:
             nonlocal busy
-            busy = bool(self._channel.poll())
+            busy = any([bool(c.poll()) for c in self._channels])  # a list: poll every one
 
-        if self._channel is not None:
+        if self._channels:
             self._guarded(poll)
         return busy
 
@@ -364,23 +435,24 @@ class SendSession:
         self.send_layer(-1, indices, True, event)
 
     def _write(self, layer: int, runs, final: bool, event) -> None:
+        if not self.routes:
+            return
         if event is not None:
             event.synchronize()
-        if self._channel is None:
-            self._channel = self.agent.backend.open_channel(self.ticket)
+        if self._channels is None:
+            self._channels = [self.agent.backend.open_channel(self.ticket, r) for r in self.routes]
             self.agent._active.add(self)
         if time.time() > self.ticket.deadline:
             raise TransferTimeout(f"{self.ticket.request_id}: deadline passed while sending")
-        if layer < 0:
-            n = self._channel.write_all(runs)
-        else:
-            n = self._channel.write_layer(layer, runs, final)
+        n = 0
+        for channel in self._channels:
+            n += channel.write_all(runs) if layer < 0 else channel.write_layer(layer, runs, final)
         self.bytes += n
         metrics.BYTES.labels("send", self.agent.backend.name).inc(n)
 
     def _flush(self) -> None:
-        if self._channel is not None:
-            self._channel.flush()
+        for channel in self._channels or ():
+            channel.flush()
 
     def finish(self, timeout: float | None = None) -> None:
         """Wait until every queued layer was written; raises the first error."""
@@ -398,9 +470,9 @@ class SendSession:
     def abort(self) -> None:
         """Stop sending; the receiver is told (where the backend can) and fails fast."""
         self.error = self.error or TransferCancelled(f"{self.ticket.request_id}: sender aborted")
-        if self._channel is not None:
+        for channel in self._channels or ():
             try:
-                self._channel.abort()
+                channel.abort()
             except Exception:
                 pass
         self._close(self.error)
@@ -411,8 +483,8 @@ class SendSession:
         self._closed = True
         metrics.record_end("send", self.agent.backend.name, error, time.monotonic() - self._started)
         self.agent._active.discard(self)
-        if self._channel is not None:
-            self._channel.close()
+        for channel in self._channels or ():
+            channel.close()
 
 
 def make_agent(kind: str, layout: KVLayout, host: str = "127.0.0.1", port: int = 0,

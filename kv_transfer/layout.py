@@ -1,5 +1,11 @@
 """The KV cache memory an agent registers: per layer one K and one V tensor `[num_blocks, block_size, kv_heads,
-head_dim]`, so block b of a layer is the byte range [b * block_bytes, (b + 1) * block_bytes) of that tensor."""
+head_dim]`, so block b of a layer is the byte range [b * block_bytes, (b + 1) * block_bytes) of that tensor, and
+token t of it holds this rank's heads back to back (token_bytes), head i at i * head_bytes within the token.
+
+Under tensor parallelism the tensors hold a shard of the heads (`shard`): global heads head_start ..
+head_start + num_heads - 1 of the model's num_kv_heads; a slab of heads of one token is contiguous, a slab of
+heads of one block is block_size strided pieces (the movers' problem when the two sides shard differently).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +14,22 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.parallel import KVShard
+
 
 @dataclass
 class KVLayout:
     tensors: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V)
+    shard: KVShard | None = None  # None: one rank holding every head
 
     def __post_init__(self) -> None:
         if not self.tensors:
             raise ValueError("KV layout needs at least one layer")
+        heads = self.tensors[0][0].shape[2]
+        if self.shard is None:
+            self.shard = KVShard(0, 1, 0, heads, heads)
+        if self.shard.num_heads != heads:
+            raise ValueError(f"KV shard says {self.shard.num_heads} heads, the tensors hold {heads}")
         k0 = self.tensors[0][0]
         for k, v in self.tensors:
             if k.shape != k0.shape or v.shape != k0.shape or k.dtype != k0.dtype or not (k.is_contiguous() and v.is_contiguous()):
@@ -35,6 +49,27 @@ class KVLayout:
         return k[0].numel() * k.element_size()
 
     @property
+    def block_size(self) -> int:  # tokens per block
+        return self.tensors[0][0].shape[1]
+
+    @property
+    def num_heads(self) -> int:  # KV heads in this rank's tensors
+        return self.tensors[0][0].shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.tensors[0][0].shape[3]
+
+    @property
+    def head_bytes(self) -> int:  # bytes of one head of one token
+        k = self.tensors[0][0]
+        return self.head_dim * k.element_size()
+
+    @property
+    def token_bytes(self) -> int:  # bytes of one token of K (or V) in one layer: every head here
+        return self.num_heads * self.head_bytes
+
+    @property
     def dtype(self) -> str:
         return str(self.tensors[0][0].dtype).removeprefix("torch.")
 
@@ -50,9 +85,15 @@ class KVLayout:
         """The layer's K (kv=0) or V (kv=1) tensor as flat uint8."""
         return self.tensors[layer][kv].view(-1).view(torch.uint8)
 
+    def heads_view(self, layer: int, kv: int, start: int, count: int) -> torch.Tensor:
+        """[num_blocks, block_size, count, head_dim]: heads start..start+count-1 of this rank's shard (a view)."""
+        return self.tensors[layer][kv][:, :, start : start + count]
+
     def describe(self) -> dict:
         return {"num_layers": self.num_layers, "block_bytes": self.block_bytes, "dtype": self.dtype,
-                "num_blocks": self.num_blocks}
+                "num_blocks": self.num_blocks, "block_size": self.block_size, "head_dim": self.head_dim,
+                "kv_heads": [self.shard.head_start, self.shard.num_heads, self.shard.num_kv_heads],
+                "rank": self.shard.rank, "world_size": self.shard.world_size}
 
 
 def coalesce(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:

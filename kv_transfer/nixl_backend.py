@@ -4,8 +4,13 @@ registered KV memory; a NIXL notification per layer tells the receiver what land
 prepared once per peer (one strided row per layer and K/V covering every block) and each transfer picks
 blocks by index, so contiguous runs merge into single descriptors and no per-transfer key unpacking happens.
 
-Notification: b"L|<layer>|<final 0/1>|<bytes>|<request id>" (layer -1: every layer, one transfer) or
-b"A|<request id>" (sender aborted).
+Sharded workers: a route that carries every head of both sides' shards moves whole blocks as above; one that
+carries a slab of heads (the sender holds more heads than the receiver, or fewer) is strided on at least one
+side, so its descriptor lists have one entry per token ([slab heads, head_dim] contiguous there), prepared
+once per (peer, slab) the same way.
+
+Notification: b"L|<layer>|<final 0/1>|<bytes>|<sender rank>|<senders>|<request id>" (layer -1: every layer, one
+transfer) or b"A|<request id>" (sender aborted).
 
 Polling: NIXL has no blocking wait for notifications, and the UCX progress thread its Python agent starts
 polls with a 0 µs delay (nixl 1.5.1's `nixl_agent` hard-wires `pthrDelay = 0`): a core spent forever. So the
@@ -25,7 +30,8 @@ import numpy as np
 
 from splitserve.kv_transfer.errors import TransferError, TransferTimeout
 from splitserve.kv_transfer.layout import KVLayout
-from splitserve.kv_transfer.ticket import TransferTicket
+from splitserve.kv_transfer.shards import Route
+from splitserve.kv_transfer.ticket import RankEndpoint, TransferTicket
 
 log = logging.getLogger("splitserve.kv_transfer.nixl")
 
@@ -57,7 +63,8 @@ class NixlBackend:
             enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         self._agent = None
         self._reg = None
-        self._remotes: dict[str, tuple[str, object]] = {}  # ticket agent -> (NIXL remote name, prepped dlist)
+        self._remotes: set[str] = set()  # remote agents loaded
+        self._preps: dict[tuple, object] = {}  # (agent or "", head offset, heads, per token) -> prepped dlist
         self._remote_lock = threading.Lock()
         self._closed = False
         self._notif_thread: threading.Thread | None = None
@@ -70,15 +77,39 @@ class NixlBackend:
         self.mem_type = "VRAM" if layout.is_cuda else "DRAM"
         self.dev_id = layout.device.index or 0
         self._metadata = self.nixl.get_agent_metadata()
-        rows = [(t.data_ptr(), layout.block_bytes, self.dev_id, layout.block_bytes, layout.num_blocks) for t in tensors]
-        self._local_prep = self.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(rows, dtype=np.int64), self.mem_type)
+        self._local_prep = self.local_prep(0, layout.num_heads, False)
         self._notif_thread = threading.Thread(target=self._notif_loop, name="kv-nixl-notifs", daemon=True)
         self._notif_thread.start()
 
-    def ticket_fields(self) -> dict:
+    def endpoint_fields(self) -> dict:
         layout: KVLayout = self._agent.layout
         return {"nixl_metadata": self._metadata,
                 "regions": [[k.data_ptr(), v.data_ptr()] for k, v in layout.tensors]}
+
+    @staticmethod
+    def _rows(addrs: list[int], heads: int, offset: int, count: int, head_bytes: int, block_size: int,
+              num_blocks: int, dev: int, per_token: bool) -> np.ndarray:
+        """Strided rows (address, len, device, stride, count), one per tensor: whole blocks, or per token the
+        slab of `count` heads from `offset` of a shard of `heads` heads."""
+        if per_token:
+            rows = [(a + offset * head_bytes, count * head_bytes, dev, heads * head_bytes, num_blocks * block_size)
+                    for a in addrs]
+        else:
+            bb = block_size * heads * head_bytes
+            rows = [(a, bb, dev, bb, num_blocks) for a in addrs]
+        return np.array(rows, dtype=np.int64)
+
+    def local_prep(self, offset: int, count: int, per_token: bool):
+        key = ("", offset, count, per_token)
+        with self._remote_lock:
+            prep = self._preps.get(key)
+            if prep is None:
+                lay: KVLayout = self._agent.layout
+                addrs = [t.data_ptr() for kv in lay.tensors for t in kv]
+                rows = self._rows(addrs, lay.num_heads, offset, count, lay.head_bytes, lay.block_size,
+                                  lay.num_blocks, self.dev_id, per_token)
+                prep = self._preps[key] = self.nixl.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self.mem_type)
+            return prep
 
     def _notif_loop(self) -> None:
         """Hand notifications to the agent. Each `get_new_notifs` also progresses UCX (no progress thread).
@@ -118,45 +149,56 @@ class NixlBackend:
                 if agent.lookup(rid) is not None:
                     agent.fail(rid, TransferError(f"{rid}: sender aborted"))
                 return
-            tag, layer, final, nbytes, rid = text.split("|", 4)
+            tag, layer, final, nbytes, src, num_src, rid = text.split("|", 6)
             if tag != "L":
                 raise ValueError(tag)
             ticket = agent.lookup(rid)
             if ticket is None or not -1 <= int(layer) < ticket.num_layers or final not in ("0", "1"):
                 raise ValueError("unknown request or layer")
-            agent.landed(rid, int(layer), (0, 1), final == "1", int(nbytes))
+            agent.landed(rid, int(layer), (0, 1), final == "1", int(nbytes), int(src), int(num_src))
         except (ValueError, UnicodeDecodeError) as e:
             log.warning("nixl: ignoring malformed notification %r: %s", msg[:80], e)
 
-    def _remote(self, ticket: TransferTicket) -> tuple[str, object]:
+    def _remote_prep(self, ticket: TransferTicket, rank: RankEndpoint, offset: int, count: int, per_token: bool):
+        key = (rank.agent, offset, count, per_token)
         with self._remote_lock:
-            entry = self._remotes.get(ticket.agent)
-            if entry is None:
-                name = self.nixl.add_remote_agent(ticket.nixl_metadata)
+            prep = self._preps.get(key)
+            if prep is not None:
+                return prep
+            if rank.agent not in self._remotes:
+                name = self.nixl.add_remote_agent(rank.nixl_metadata)
                 name = name.decode() if isinstance(name, bytes) else name
-                if name != ticket.agent:
-                    raise TransferError(f"ticket names agent {ticket.agent!r}, its metadata {name!r}")
-                bb = ticket.block_bytes
-                rows = [(addr, bb, ticket.device_id, bb, ticket.num_blocks) for kv in ticket.regions for addr in kv]
-                prep = self.nixl.prep_xfer_dlist(name, np.array(rows, dtype=np.int64), ticket.mem_type)
-                entry = self._remotes[ticket.agent] = (name, prep)
-            return entry
+                if name != rank.agent:
+                    raise TransferError(f"ticket names agent {rank.agent!r}, its metadata {name!r}")
+                self._remotes.add(name)
+            addrs = [addr for kv in rank.regions for addr in kv]
+            head_bytes = ticket.head_dim * ticket.itemsize
+            rows = self._rows(addrs, rank.num_heads, offset, count, head_bytes, ticket.block_size, ticket.num_blocks,
+                              rank.device_id, per_token)
+            prep = self._preps[key] = self.nixl.prep_xfer_dlist(rank.agent, rows, rank.mem_type)
+            return prep
 
-    def open_channel(self, ticket: TransferTicket) -> NixlChannel:
-        name, prep = self._remote(ticket)
-        return NixlChannel(self, ticket, name, prep)
+    def open_channel(self, ticket: TransferTicket, route: Route) -> NixlChannel:
+        rank = ticket.ranks[route.dst_rank]
+        layout: KVLayout = self._agent.layout
+        # whole blocks when the route carries every head on both sides; else one descriptor per token
+        per_token = not (route.num_heads == layout.num_heads == rank.num_heads)
+        local = self.local_prep(route.src_offset, route.num_heads, per_token)
+        remote = self._remote_prep(ticket, rank, route.dst_offset, route.num_heads, per_token)
+        return NixlChannel(self, ticket, route, rank.agent, local, remote, per_token)
 
     def close(self) -> None:
         self._closed = True
         if self._notif_thread is not None:  # at most one idle sleep (IDLE_MAX_S) away from seeing `_closed`
             self._notif_thread.join(timeout=1.0)
         with self._remote_lock:
-            for name, _ in self._remotes.values():
+            for name in self._remotes:
                 try:
                     self.nixl.remove_remote_agent(name)
                 except Exception:
                     pass
             self._remotes.clear()
+            self._preps.clear()
         if self._reg is not None:
             try:
                 self.nixl.deregister_memory(self._reg)
@@ -172,11 +214,15 @@ class NixlChannel:
     never overtakes data of the same layer.
     """
 
-    def __init__(self, backend: NixlBackend, ticket: TransferTicket, remote: str, remote_prep) -> None:
+    def __init__(self, backend: NixlBackend, ticket: TransferTicket, route: Route, remote: str, local_prep,
+                 remote_prep, per_token: bool) -> None:
         self.b = backend
         self.ticket = ticket
+        self.route = route
         self.remote = remote
+        self.local_prep = local_prep
         self.remote_prep = remote_prep
+        self.per_token = per_token
         self.layout: KVLayout = backend._agent.layout
         self._inflight: list[tuple[object, int]] = []  # (handle, layer tag)
 
@@ -190,21 +236,29 @@ class NixlChannel:
         return self._post(range(self.layout.num_layers), runs, True, -1)
 
     def _post(self, layers, runs: list[tuple[int, int, int]], final: bool, tag: int) -> int:
-        bb = self.layout.block_bytes
+        r = self.route
+        bs = self.layout.block_size
+        bb = bs * r.num_heads * self.layout.head_bytes  # bytes of one block of the route's heads
         nbytes = 2 * len(layers) * sum(n for _, _, n in runs) * bb
-        notif = f"L|{tag}|{int(final)}|{nbytes}|{self.ticket.request_id}".encode()
+        notif = f"L|{tag}|{int(final)}|{nbytes}|{r.src_rank}|{r.num_src}|{self.ticket.request_id}".encode()
         nx = self.b.nixl
         if not runs:
             if final:
                 nx.send_notif(self.remote, notif)
             return 0
-        # block-level indices into the prepped lists: row (layer, kv) holds that tensor's blocks in order
+        # indices into the prepped lists: row (layer, kv) holds that tensor's blocks (or tokens) in order
         src = np.concatenate([np.arange(s, s + n) for s, _, n in runs])
         dst = np.concatenate([np.arange(d, d + n) for _, d, n in runs])
+        local_n, remote_n = self.layout.num_blocks, self.ticket.num_blocks  # entries per row
+        if self.per_token:
+            tok = np.arange(bs)
+            src = (src[:, None] * bs + tok[None, :]).reshape(-1)
+            dst = (dst[:, None] * bs + tok[None, :]).reshape(-1)
+            local_n, remote_n = local_n * bs, remote_n * bs
         rows = np.array([2 * layer + kv for layer in layers for kv in (0, 1)])
-        local = (rows[:, None] * self.layout.num_blocks + src[None, :]).reshape(-1).astype(np.int32)
-        remote = (rows[:, None] * self.ticket.num_blocks + dst[None, :]).reshape(-1).astype(np.int32)
-        handle = nx.make_prepped_xfer("WRITE", self.b._local_prep, local, self.remote_prep, remote, notif)
+        local = (rows[:, None] * local_n + src[None, :]).reshape(-1).astype(np.int32)
+        remote = (rows[:, None] * remote_n + dst[None, :]).reshape(-1).astype(np.int32)
+        handle = nx.make_prepped_xfer("WRITE", self.local_prep, local, self.remote_prep, remote, notif)
         state = nx.transfer(handle)
         if state == "ERR":
             nx.release_xfer_handle(handle)

@@ -3,6 +3,10 @@
 For every step, the blocks a request's chunk touched (plus, on its first chunk, blocks it found in its own
 prefix cache) are sent as soon as the engine reports that layer written. The final chunk's writes carry the
 `final` flag, so the receiver knows when each layer is complete.
+
+Under tensor parallelism this hook runs on rank 0 and is also the planner for the other ranks: `rank_plan`
+lists, for the step, each stream's blocks to send (`sharded.PlanEntry`), and the step carries it to every
+follower's connector, which sends that rank's heads of the same blocks as its layers are written.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from splitserve.common.latch import Latch
 from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.kv_transfer.agent import SendSession
 from splitserve.kv_transfer.errors import TransferError
+from splitserve.kv_transfer.sharded import PlanEntry
 
 log = logging.getLogger("splitserve.kv_transfer.hook")
 
@@ -105,6 +110,16 @@ class KVStreamHook:
         if stream.session is not None:
             stream.session.abort()
         stream.queued_final.set()
+
+    def rank_plan(self) -> list[int]:
+        """This step's sends for the follower ranks (streams whose session spans the ranks)."""
+        plan: list[int] = []
+        for stream, indices, final in self._step:
+            sid = getattr(stream.session, "plan_id", None)
+            if sid is not None:
+                src = list(stream.session.src_block_ids[: indices.stop])
+                plan += PlanEntry(sid, indices.start, indices.stop, final, src).encode()
+        return plan
 
     def on_layer_written(self, layer_idx: int) -> None:
         if not self._step:

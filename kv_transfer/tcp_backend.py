@@ -2,10 +2,14 @@
 tensors' memory (CPU) or a pinned staging buffer (CUDA). Works on any cluster; NIXL is the fast path.
 
 Frame: header | request id | runs | payload
-  header = magic "SKV1", kind (1 data, 2 abort), final flag, kv (0 K, 1 V), request-id length,
-           layer, number of runs, payload bytes, crc32 of the payload
+  header = magic "SKV2", kind (1 data, 2 abort), final flag, kv (0 K, 1 V), sender rank, request-id length,
+           senders routed to this receiver, layer, number of runs, payload bytes, crc32 of the payload,
+           first head (within the receiver's shard), number of heads
   runs   = (destination block, count) pairs, each u32
-The receiver checks every field against the ticket it issued before reading a byte of payload.
+  payload = per block of each run, [block_size, heads, head_dim] of the route's heads (the sender slices them
+            out of its shard; the receiver writes them into its own, straight into the tensor when the frame
+            covers every head it holds, else through a staging buffer)
+The receiver checks every field against what it expects before reading a byte of payload.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import torch
 
 from splitserve.kv_transfer.errors import TransferError
 from splitserve.kv_transfer.layout import KVLayout
+from splitserve.kv_transfer.shards import Route
 from splitserve.kv_transfer.ticket import TransferTicket
 
 log = logging.getLogger("splitserve.kv_transfer.tcp")
 
-MAGIC = b"SKV1"
-HEADER = struct.Struct("<4sBBBxHxxIIQI")  # magic kind final kv rid_len layer num_runs payload crc
+MAGIC = b"SKV2"
+# magic kind final kv src rid_len num_src head_off head_count (pad) layer num_runs payload crc: 32 bytes
+HEADER = struct.Struct("<4sBBBBHBBBxHIQI")
 RUN = struct.Struct("<II")
 KIND_DATA, KIND_ABORT = 1, 2
 MAX_RUNS = 1 << 20
@@ -69,7 +75,7 @@ class TcpBackend:
         self._agent = agent
         threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True).start()
 
-    def ticket_fields(self) -> dict:
+    def endpoint_fields(self) -> dict:
         return {"endpoint": f"{self.host}:{self.port}"}
 
     def _accept_loop(self) -> None:
@@ -87,7 +93,7 @@ class TcpBackend:
     def _serve(self, conn: socket.socket) -> None:
         agent = self._agent
         layout: KVLayout = agent.layout
-        seen: set[str] = set()  # requests this connection carried: they fail if it drops mid-stream
+        seen: dict[str, int] = {}  # request -> sender rank this connection carried: fails if it drops mid-stream
         staging = torch.empty(0, dtype=torch.uint8, pin_memory=layout.is_cuda)
         try:
             while True:
@@ -95,7 +101,8 @@ class TcpBackend:
                     head = _recv_exact(conn, HEADER.size)
                 except ConnectionError:
                     break
-                magic, kind, final, kv, rid_len, layer, num_runs, payload, crc = HEADER.unpack(head)
+                (magic, kind, final, kv, src, rid_len, num_src, head_off, head_count, layer, num_runs, payload,
+                 crc) = HEADER.unpack(head)
                 if magic != MAGIC or kind not in (KIND_DATA, KIND_ABORT) or not 0 < rid_len <= 256:
                     raise FrameError(f"bad frame header {head[:8]!r}")
                 try:
@@ -105,12 +112,14 @@ class TcpBackend:
                 ticket = agent.lookup(rid)
                 if ticket is None:
                     raise FrameError(f"frame for unknown or finished request {rid!r}")
-                seen.add(rid)
+                seen[rid] = src
                 if kind == KIND_ABORT:
                     agent.fail(rid, TransferError(f"{rid}: sender aborted"))
                     continue
-                if layer >= ticket.num_layers or kv > 1 or num_runs > MAX_RUNS or final > 1:
-                    raise FrameError(f"{rid}: frame fields out of range (layer={layer}, kv={kv})")
+                if layer >= ticket.num_layers or kv > 1 or num_runs > MAX_RUNS or final > 1 or \
+                        num_src < 1 or head_count < 1 or head_off + head_count > layout.num_heads:
+                    raise FrameError(f"{rid}: frame fields out of range (layer={layer}, kv={kv}, heads "
+                                     f"{head_off}+{head_count}, {num_src} senders)")
                 raw = _recv_exact(conn, num_runs * RUN.size)
                 runs = [RUN.unpack_from(raw, i * RUN.size) for i in range(num_runs)]
                 allowed = set(ticket.block_ids[ticket.skip_blocks:])
@@ -119,40 +128,43 @@ class TcpBackend:
                     if n == 0 or any(b not in allowed for b in range(start, start + n)):
                         raise FrameError(f"{rid}: frame writes blocks outside its ticket")
                     total += n
-                bb = layout.block_bytes
+                whole = head_count == layout.num_heads  # the frame's blocks are contiguous in our tensor
+                bb = layout.block_size * head_count * layout.head_bytes  # bytes of one block of the frame
                 if payload != total * bb:
                     raise FrameError(f"{rid}: payload {payload} bytes, runs need {total * bb}")
                 dest = layout.byte_view(layer, kv)
+                heads = layout.heads_view(layer, kv, head_off, head_count)
                 check = 0
                 for start, n in runs:
                     size = n * bb
-                    if layout.is_cuda:
-                        if staging.numel() < size:
-                            staging = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-                        view = memoryview(staging[:size].numpy())
-                        _recv_into(conn, view)
-                        dest[start * bb : start * bb + size].copy_(staging[:size])
-                    else:
+                    if whole and not layout.is_cuda:
                         view = memoryview(dest[start * bb : start * bb + size].numpy())
                         _recv_into(conn, view)
+                    else:
+                        if staging.numel() < size:
+                            staging = torch.empty(size, dtype=torch.uint8, pin_memory=layout.is_cuda)
+                        view = memoryview(staging[:size].numpy())
+                        _recv_into(conn, view)
+                        part = staging[:size].view(heads.dtype).view(n, *heads.shape[1:])
+                        heads[start : start + n].copy_(part)  # [n, block_size, head_count, head_dim]
                     check = zlib.crc32(view, check)
                 if check != crc:
                     agent.fail(rid, TransferError(f"{rid}: checksum mismatch on layer {layer}"))
                     raise FrameError(f"{rid}: checksum mismatch")
-                agent.landed(rid, layer, (kv,), bool(final), payload)
+                agent.landed(rid, layer, (kv,), bool(final), payload, src, num_src)
         except (FrameError, OSError, ConnectionError) as e:
             log.warning("kv tcp: dropping connection: %s", e)
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
-            for rid in seen:
-                if agent.lookup(rid) is not None:
+            for rid, src in seen.items():
+                if agent.lookup(rid) is not None and not agent.sender_done(rid, src):
                     agent.fail(rid, TransferError(f"{rid}: sender disconnected before the transfer completed"))
 
     # -- sender ------------------------------------------------------------------------------------
-    def open_channel(self, ticket: TransferTicket) -> TcpChannel:
-        return TcpChannel(self._agent.layout, ticket, self.io_timeout)
+    def open_channel(self, ticket: TransferTicket, route: Route) -> TcpChannel:
+        return TcpChannel(self._agent.layout, ticket, route, self.io_timeout)
 
     def close(self) -> None:
         self._closed = True
@@ -167,30 +179,36 @@ class TcpBackend:
 
 
 class TcpChannel:
-    def __init__(self, layout: KVLayout, ticket: TransferTicket, io_timeout: float) -> None:
+    def __init__(self, layout: KVLayout, ticket: TransferTicket, route: Route, io_timeout: float) -> None:
         self.layout = layout
         self.ticket = ticket
-        host, _, port = ticket.endpoint.rpartition(":")
+        self.route = route
+        host, _, port = ticket.ranks[route.dst_rank].endpoint.rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=io_timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.rid = ticket.request_id.encode()
 
+    def _header(self, kind: int, final: bool, kv: int, layer: int, num_runs: int, payload: int, crc: int) -> bytes:
+        r = self.route
+        return HEADER.pack(MAGIC, kind, int(final), kv, r.src_rank, len(self.rid), r.num_src, r.dst_offset,
+                           r.num_heads, layer, num_runs, payload, crc)
+
     def write_layer(self, layer: int, runs: list[tuple[int, int, int]], final: bool) -> int:
         if not runs and not final:
             return 0
-        bb = self.layout.block_bytes
+        r = self.route
         sent = 0
         for kv in (0, 1):
-            src = self.layout.byte_view(layer, kv)
+            heads = self.layout.heads_view(layer, kv, r.src_offset, r.num_heads)  # [blocks, bs, heads, dim]
             parts = []
             for s, _, n in runs:
-                region = src[s * bb : (s + n) * bb]
+                region = heads[s : s + n].contiguous().view(-1).view(torch.uint8)  # a copy only when sliced
                 parts.append(memoryview(region.cpu().numpy() if region.is_cuda else region.numpy()))
             crc = 0
             for p in parts:
                 crc = zlib.crc32(p, crc)
             payload = sum(len(p) for p in parts)
-            head = HEADER.pack(MAGIC, KIND_DATA, int(final), kv, len(self.rid), layer, len(runs), payload, crc)
+            head = self._header(KIND_DATA, final, kv, layer, len(runs), payload, crc)
             self.sock.sendall(head + self.rid + b"".join(RUN.pack(d, n) for _, d, n in runs))
             for p in parts:
                 self.sock.sendall(p)
@@ -207,8 +225,7 @@ class TcpChannel:
         pass
 
     def abort(self) -> None:
-        head = HEADER.pack(MAGIC, KIND_ABORT, 0, 0, len(self.rid), 0, 0, 0, 0)
-        self.sock.sendall(head + self.rid)
+        self.sock.sendall(self._header(KIND_ABORT, False, 0, 0, 0, 0, 0) + self.rid)
 
     def close(self) -> None:
         try:

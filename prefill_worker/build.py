@@ -9,9 +9,9 @@ import logging
 from splitserve.common.config import ClusterSpec
 from splitserve.common.worker_context import WorkerContext
 from splitserve.engine.interface import ServingEngine
-from splitserve.kv_transfer import KVLayout, make_agent
 from splitserve.kv_transfer import metrics as kv_metrics
 from splitserve.kv_transfer.pool import make_pool
+from splitserve.kv_transfer.sharded import make_worker_agent
 from splitserve.kv_transfer.stream_hook import KVStreamHook
 from splitserve.prefill_worker.service import PrefillService
 
@@ -19,7 +19,8 @@ log = logging.getLogger("splitserve.prefill_worker")
 
 
 async def build(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext) -> PrefillService:
-    agent = await asyncio.to_thread(make_agent, spec.kv_transfer.backend, KVLayout(engine.kv_tensors()), ctx.host)
+    # one agent per tensor-parallel rank, each over its own KV shard, composed on this rank (rank 0)
+    agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "prefill")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
     kv_metrics.BYTES.labels("send", agent.backend.name)
     hook = KVStreamHook(engine.kv_spec.block_size, cuda=engine.facts.device.startswith("cuda"))

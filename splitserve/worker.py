@@ -68,7 +68,12 @@ def load_engine(spec: ClusterSpec, role: str) -> ServingEngine:
     settings = spec.role(role).engine
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    return AsyncEngine(LLMEngine(engine_config(spec.model, settings)))
+    config = engine_config(spec.model, settings)
+    if role in ("prefill", "decode"):  # every tensor-parallel rank streams its own KV shard
+        from splitserve.kv_transfer.rank_connector import SPEC
+
+        config.parallel.rank_connector = SPEC
+    return AsyncEngine(LLMEngine(config))
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):

@@ -214,7 +214,7 @@ def test_corrupted_ticket_is_rejected(receiver, mutate):
         elif mutate == "unknown-field":
             d["pickle"] = "x"
         elif mutate == "b64":
-            d["nixl_metadata"] = "***"
+            d["ranks"][0]["nixl_metadata"] = "***"
         bad = json.dumps(d).encode()
     with pytest.raises(MalformedTicket):
         TransferTicket.decode(bad)
@@ -237,8 +237,8 @@ def test_garbage_on_the_tcp_port_is_dropped_and_serving_continues():
     peer = Peer("tcp", SEED)
     try:
         ticket = receiver.expect("req-g", [5, 6], timeout_s=20)
-        host, _, port = ticket.endpoint.rpartition(":")
-        for payload in (os.urandom(4096), b"SKV1" + os.urandom(60), b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"):
+        host, _, port = ticket.ranks[0].endpoint.rpartition(":")
+        for payload in (os.urandom(4096), b"SKV2" + os.urandom(60), b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"):
             with socket.create_connection((host, int(port))) as s:
                 s.sendall(payload)
                 assert_closed_by_peer(s)
@@ -257,10 +257,10 @@ def test_tcp_frame_outside_its_ticket_is_refused():
     receiver = make_agent("tcp", KVLayout(make_kv(0, fill=False)))
     try:
         ticket = receiver.expect("req-o", [5, 6], timeout_s=3)
-        host, _, port = ticket.endpoint.rpartition(":")
+        host, _, port = ticket.ranks[0].endpoint.rpartition(":")
         bb = receiver.layout.block_bytes
         rid = b"req-o"
-        head = HEADER.pack(MAGIC, KIND_DATA, 1, 0, len(rid), 0, 1, bb, 0)
+        head = HEADER.pack(MAGIC, KIND_DATA, 1, 0, 0, len(rid), 1, 0, SHAPE["heads"], 0, 1, bb, 0)
         with socket.create_connection((host, int(port))) as s:
             s.sendall(head + rid + RUN.pack(50, 1) + b"\x01" * bb)  # block 50 is not in the ticket
             assert_closed_by_peer(s)
@@ -277,10 +277,10 @@ def test_tcp_checksum_mismatch_fails_the_transfer():
     receiver = make_agent("tcp", KVLayout(make_kv(0, fill=False)))
     try:
         ticket = receiver.expect("req-c", [5], timeout_s=5)
-        host, _, port = ticket.endpoint.rpartition(":")
+        host, _, port = ticket.ranks[0].endpoint.rpartition(":")
         bb = receiver.layout.block_bytes
         rid = b"req-c"
-        head = HEADER.pack(MAGIC, KIND_DATA, 1, 0, len(rid), 0, 1, bb, 12345)
+        head = HEADER.pack(MAGIC, KIND_DATA, 1, 0, 0, len(rid), 1, 0, SHAPE["heads"], 0, 1, bb, 12345)
         with socket.create_connection((host, int(port))) as s:
             s.sendall(head + rid + RUN.pack(5, 1) + b"\x01" * bb)
             assert_closed_by_peer(s)

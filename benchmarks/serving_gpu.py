@@ -1,0 +1,503 @@
+"""Disaggregated against colocated serving on the GPUs of one host, end to end: the gateway and the workers as
+real processes (random weights of a real model's shape, `--load-format dummy`), driven by `splitserve bench`.
+
+Parts (--parts):
+  transfer  layer-wise KV transfer of an 8B-shaped 3k-token prompt between two GPUs (NIXL) against a torch
+            peer copy measured in the same run (`benchmarks/kv_transfer.py`): transfer_gbps, p2p_copy_gbps
+  handover  on an idle system, TTFT(disaggregated 1P+1D) - TTFT(colocated) for --handover-len-token prompts,
+            one at a time, and the decode step (inter-token latency at batch 1): handover_ms, decode_step_ms
+  goodput   per-GPU goodput (requests/s meeting --slo-ttft and --slo-itl, over the GPUs used) of each
+            configuration's disaggregated and colocated clusters on two trace slices replayed at a fixed rate:
+            Azure conversation (azure_conv) and Azure code, the prefill-heavy one (azure_code)
+  moe       an MoE shape (Qwen3-30B-A3B): prefill TP=1 streaming into decode TP=2 with expert parallelism,
+            decode tokens/s at batch --moe-batch, against a colocated TP=2 EP worker (the same requests)
+Configurations (--configs): 1p1d (2 GPUs; against 2 colocated), 1p3d and 2p2d (4 GPUs; against 4 colocated).
+
+The model's tokenizer is a synthetic word-level one with the model's vocabulary size (every id decodes to a
+visible token), so any shape can be served with no files but its config. Writes
+benchmarks/results/serving_gpu_<tag>.json (--out; --update merges into an existing file) and prints a table,
+then the JSON line. `--device cpu --shape tiny` runs the same orchestration on the CPU with a tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT.parent / "shared" / "traces"
+TRACE_FILES = {"azure_conv": "azure_conv_2023.csv", "azure_code": "azure_code_2023.csv"}
+
+SHAPES = {
+    "llama8b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+                "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                "max_position_embeddings": 131072, "tie_word_embeddings": False, "eos_token_id": 128001,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "qwen3_30b_a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+                      "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+                      "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [], "eos_token_id": 151645},
+    # the CPU dry run: small enough for a 2-core machine, with 2 KV heads so TP=2 splits them
+    "tiny": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512,
+             "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+             "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+             "max_position_embeddings": 4096, "tie_word_embeddings": False, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "eos_token_id": 0},
+}
+CONFIGS = {"1p1d": (1, 1), "1p3d": (1, 3), "2p2d": (2, 2)}  # (prefill workers, decode workers), one GPU each
+CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+             "PYTHONUNBUFFERED": "1"}
+START_S = 900.0  # seconds for a cluster to become ready (imports, dummy weights, CUDA graphs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_dir(shape: str, root: Path) -> Path:
+    """config.json of the shape and a word-level tokenizer of its vocabulary size."""
+    d = root / shape
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = SHAPES[shape]
+    (d / "config.json").write_text(json.dumps(cfg))
+    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
+    tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+           "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+           "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}}
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{cfg['eos_token_id']}"}))
+    return d
+
+
+class Cluster:
+    """A gateway and workers as processes. `workers`: (role, GPU ids, extra flags) per worker."""
+
+    def __init__(self, args, model: Path, mode: str, workers: list[tuple[str, list[int], list[str]]],
+                 log_dir: Path, name: str) -> None:
+        self.args, self.model, self.mode, self.name = args, model, mode, name
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        exe = str(Path(sys.executable).parent / "splitserve")
+        common = ["--model", str(model), "--served-model-name", args.shape, "--max-model-len", str(args.max_model_len)]
+        planned = [(role, gpus, extra, free_port(), free_port()) for role, gpus, extra in workers]
+        prefill = [f"127.0.0.1:{p}" for role, _, _, p, _ in planned if role == "prefill"]
+        self.metrics_urls = [f"http://127.0.0.1:{m}" for role, _, _, _, m in planned if role != "prefill"]
+        decode = [f"127.0.0.1:{p}" for role, _, _, p, _ in planned if role != "prefill"]
+        for i, (role, gpus, extra, port, mport) in enumerate(planned):
+            cmd = [exe, "worker", "--role", role, *common, "--load-format", "dummy", "--device", args.device,
+                   "--port", str(port), "--metrics-port", str(mport), "--kv-transport", args.kv_transport,
+                   "--tensor-parallel-size", str(max(1, len(gpus))), *extra]
+            if role == "decode":
+                cmd += ["--prefill-peers", ",".join(prefill), "--disagg-threshold", str(args.disagg_threshold)]
+            env = dict(os.environ, **CHILD_ENV)
+            if args.device == "cuda":
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+            self._spawn(f"{role}-{i}", cmd, env)
+        self._spawn("router", [exe, "router", *common, "--mode", mode, "--port", str(self.port),
+                               "--decode", ",".join(decode), "--prefill", ",".join(prefill)] +
+                    (["--max-inflight", "1024"]), dict(os.environ, **CHILD_ENV))
+
+    def _spawn(self, name: str, cmd: list[str], env: dict) -> None:
+        log = open(self.log_dir / f"{self.name}-{name}.log", "w")
+        self.procs.append((name, subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                                                  start_new_session=True)))
+
+    def wait_ready(self) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < START_S:
+            for name, p in self.procs:
+                if p.poll() is not None:
+                    tail = (self.log_dir / f"{self.name}-{name}.log").read_text()[-3000:]
+                    raise RuntimeError(f"{self.name}: {name} exited with {p.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if json.loads(r.read()).get("all_healthy"):
+                        return time.monotonic() - t0
+            except (OSError, ValueError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name}: not ready in {START_S:.0f} s")
+
+    def counters(self) -> dict[str, float]:
+        """Where the decode workers' prompts were prefilled: remote (ok / failed) and local (by reason)."""
+        out: dict[str, float] = {}
+        for url in self.metrics_urls:
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith(("splitserve_remote_prefill_total", "splitserve_local_prefill_total")):
+                        key, _, value = line.rpartition(" ")
+                        out[key] = out.get(key, 0.0) + float(value)
+        return out
+
+    def stop(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+    def __enter__(self) -> Cluster:
+        try:
+            ready_s = self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        print(f"[{self.name}] ready in {ready_s:.0f} s", file=sys.stderr, flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def worker_args(args, role: str) -> list[str]:
+    """Engine flags per role: the colocated baseline keeps ITL low with a small chunk budget; a prefill worker
+    takes big chunks; a decode worker only decodes."""
+    budget = {"prefill": args.prefill_budget, "decode": args.decode_budget, "both": args.colocated_budget}[role]
+    return ["--max-num-batched-tokens", str(budget), "--max-num-seqs", str(args.max_num_seqs),
+            "--kv-cache-memory", args.kv_cache_memory]
+
+
+def gpu_groups(n: int, per: int = 1) -> list[list[int]]:
+    return [list(range(i * per, (i + 1) * per)) for i in range(n)]
+
+
+# -- parts ---------------------------------------------------------------------------------------------------
+def part_transfer(args) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kv_transfer.py"), "--backend", "nixl" if args.device == "cuda"
+           else args.kv_transport, "--device", args.device, "--cases", "llama8b_3k,one_layer_403mb" if args.device == "cuda"
+           else "smollm2_2k", "--reps", str(args.reps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, **CHILD_ENV))
+    sys.stderr.write(out.stdout)
+    if out.returncode != 0:
+        raise RuntimeError(f"kv_transfer.py failed: {out.stderr[-2000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    case = res["cases"][0]
+    return {"transfer_gbps": case["layerwise_gbps"], "transfer_whole_gbps": case["whole_gbps"],
+            "p2p_copy_gbps": res["copy_gbps"], "transfer_tail_ms": case["tail_after_last_layer_ms"],
+            "transfer_layer_ms": case["layer_transfer_ms"], "transfer_cases": res["cases"]}
+
+
+async def _sequential(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list:
+    import httpx
+
+    from splitserve.bench import Job, one
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        return [await one(client, url, model, Job(0.0, p, max_tokens)) for p in prompts]
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def handover(url: str, args) -> dict:
+    """One request at a time on an idle cluster (fresh prompts: no prefix hits): TTFT and inter-token latency."""
+    vocab = SHAPES[args.shape]["vocab_size"]
+    prompts = _prompts(args.handover_requests, args.handover_len, vocab, 2)
+    res = asyncio.run(_sequential(url, args.shape, prompts, args.handover_output))
+    ok = [r for r in res if r.ok]
+    if not ok:
+        raise RuntimeError(f"handover: every request failed: {res[0].error}")
+    # the decode step as the client sees it: (last token - first token) / (tokens - 1), per request
+    steps = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {"ttft_ms": statistics.median(r.ttft for r in ok) * 1e3, "itl_ms": statistics.median(steps) * 1e3,
+            "ttft_all_ms": [round(r.ttft * 1e3, 2) for r in ok]}
+
+
+def _trace_scale(trace: str, n: int, rate: float) -> float:
+    """--time-scale that replays the trace's first n requests at `rate` requests/s on average."""
+    with open(TRACES / TRACE_FILES[trace]) as f:
+        rows = [float(r["arrived_at"]) for _, r in zip(range(n), csv.DictReader(f), strict=False)]
+    span = rows[-1] - rows[0]
+    return (n - 1) / rate / span if span > 0 else 1.0
+
+
+def bench(args, url: str, trace: str, rate: float) -> dict:
+    n = max(8, int(rate * args.duration))
+    cmd = [str(Path(sys.executable).parent / "splitserve"), "bench", "--url", url, "--model", args.shape,
+           "--trace", str(TRACES / TRACE_FILES[trace]), "--num-requests", str(n),
+           "--time-scale", f"{_trace_scale(trace, n, rate):.6f}", "--max-input-len", str(args.max_input_len),
+           "--max-output-len", str(args.max_output_len), "--slo-ttft", str(args.slo_ttft),
+           "--slo-itl", str(args.slo_itl), "--vocab-low", "1", "--vocab-high",
+           str(SHAPES[args.shape]["vocab_size"]), "--json", "--no-progress", "--timeout", "300"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration * 4 + 600)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench failed: {out.stderr[-2000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["offered_rps"] = rate
+    return res
+
+
+def part_serving(args, model: Path, logs: Path, want_handover: bool, want_goodput: bool) -> dict:
+    """For each configuration: its disaggregated cluster and a colocated one on as many GPUs (shared by the
+    configurations of one GPU count), each trace at each offered rate; on the first 2-GPU pair, the handover
+    (one request at a time, before the load)."""
+    out: dict = {"goodput_per_gpu": {}, "goodput_runs": {}}
+    rates = {k: [float(x) for x in v.split("/")] for k, v in (kv.split("=") for kv in args.rates.split(","))}
+    colocated_done: dict[int, dict] = {}
+    traces = args.traces.split(",") if want_goodput else []
+    for config in args.configs.split(","):
+        n_pre, n_dec = CONFIGS[config]
+        gpus = n_pre + n_dec
+        disagg = [("prefill", [i], worker_args(args, "prefill")) for i in range(n_pre)] + \
+                 [("decode", [n_pre + i], worker_args(args, "decode")) for i in range(n_dec)]
+        colocated = [("both", [i], worker_args(args, "both")) for i in range(gpus)]
+        key = f"{gpus}gpu_{config}"
+        runs: dict = {}
+        for mode, workers in (("disagg", disagg), ("colocated", colocated)):
+            if mode == "colocated" and gpus in colocated_done:
+                runs["colocated"] = colocated_done[gpus]
+                continue
+            with Cluster(args, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
+                         f"{key}-{mode}") as c:
+                # warm-up past the disaggregation threshold: connections, NIXL handshakes, kernels' first runs
+                warm = _prompts(2, args.disagg_threshold + 256, SHAPES[args.shape]["vocab_size"], 3)
+                asyncio.run(_sequential(c.url, args.shape, warm, 4))
+                res: dict = {}
+                if want_handover and "handover" not in out and gpus == 2:
+                    res["handover"] = handover(c.url, args)
+                for trace in traces:
+                    for rate in rates[trace]:
+                        before = c.counters()
+                        r = bench(args, c.url, trace, rate)
+                        after = c.counters()
+                        r["prefill_counters"] = {k: after[k] - before.get(k, 0.0) for k in after
+                                                 if after[k] != before.get(k, 0.0)}
+                        print(f"[{key} {mode} {trace} @{rate}] goodput {r['goodput_rps']} req/s, ttft p50 "
+                              f"{r['ttft_p50_s']} p99 {r['ttft_p99_s']}, itl p50 {r['itl_p50_s']} p99 "
+                              f"{r['itl_p99_s']}, failed {r['failed']} {r['prefill_counters']}",
+                              file=sys.stderr, flush=True)
+                        res.setdefault(trace, []).append(r)
+                runs[mode] = res
+            if mode == "colocated":
+                colocated_done[gpus] = res
+            save_partial(args, out)
+        if "handover" in runs.get("disagg", {}) and "handover" in runs.get("colocated", {}):
+            d, c = runs["disagg"].pop("handover"), runs["colocated"].pop("handover")
+            out["handover"] = {"prompt_tokens": args.handover_len, "requests": args.handover_requests,
+                               "ttft_disagg_ms": d["ttft_ms"], "ttft_colocated_ms": c["ttft_ms"],
+                               "itl_disagg_ms": d["itl_ms"], "itl_colocated_ms": c["itl_ms"],
+                               "ttft_disagg_all_ms": d["ttft_all_ms"], "ttft_colocated_all_ms": c["ttft_all_ms"],
+                               "handover_ms": d["ttft_ms"] - c["ttft_ms"], "decode_step_ms": d["itl_ms"]}
+        runs.get("colocated", {}).pop("handover", None)
+        if traces:
+            out["goodput_runs"][key] = runs
+            # per trace: the best goodput over the offered rates, over the GPUs used
+            out["goodput_per_gpu"][key] = {
+                t: {m: max(r["goodput_rps"] for r in runs[m][t]) / gpus for m in ("disagg", "colocated")}
+                for t in traces}
+    return out
+
+
+_PARTIAL: dict = {}
+
+
+def save_partial(args, part: dict) -> None:
+    """Keep what was measured so far in the output file (a long run cut short still leaves its numbers)."""
+    if args.partial:
+        _PARTIAL.update(part)
+        Path(args.partial).write_text(json.dumps(_PARTIAL, indent=1))
+
+
+def part_moe(args, logs: Path) -> dict:
+    """Qwen3-30B-A3B shape: decode tokens/s at batch --moe-batch, disaggregated (prefill TP=1 into decode TP=2
+    with expert parallelism) against colocated TP=2 EP; both measured as batch / median inter-token latency
+    while every request decodes (the prompts are short next to the outputs)."""
+    shape = "qwen3_30b_a3b" if args.device == "cuda" else "tiny"
+    sub = argparse.Namespace(**{**vars(args), "shape": shape})
+    model = model_dir(shape, Path(tempfile.mkdtemp(prefix="splitserve-moe-")))
+    n_gpus = args.gpus
+    pre_gpu = [0]
+    dec_gpus = [1, 2] if n_gpus >= 3 else [0, 1]  # on 2 GPUs the prefill worker shares GPU 0
+    kv = args.moe_kv_cache_memory
+    flags = ["--max-num-seqs", str(max(args.moe_batch, 8)), "--kv-cache-memory", kv]
+    out: dict = {"batch": args.moe_batch, "prefill_gpus": pre_gpu, "decode_gpus": dec_gpus}
+    prompts = _prompts(args.moe_batch, args.moe_input, SHAPES[shape]["vocab_size"], 4)
+    for mode, workers in (("disagg", [("prefill", pre_gpu, flags + ["--max-num-batched-tokens", "8192"]),
+                                      ("decode", dec_gpus, flags + ["--expert-parallel"])]),
+                          ("colocated", [("both", dec_gpus, flags + ["--expert-parallel"])])):
+        sub.disagg_threshold = min(args.disagg_threshold, args.moe_input)
+        with Cluster(sub, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
+                     f"moe-{mode}") as c:
+            asyncio.run(_sequential(c.url, shape, _prompts(2, args.moe_input, SHAPES[shape]["vocab_size"], 5), 4))
+            before = c.counters()
+            res = asyncio.run(_concurrent(c.url, shape, prompts, args.moe_output))
+            after = c.counters()
+        out[f"{mode}_prefill_counters"] = {k: after[k] - before.get(k, 0.0) for k in after
+                                           if after[k] != before.get(k, 0.0)}
+        ok = [r for _, r in res if r.ok]
+        if len(ok) < len(res):
+            raise RuntimeError(f"moe {mode}: {len(res) - len(ok)} requests failed: {res[0][1].error}")
+        # tokens/s while every request is decoding: between the last first token and the first last token
+        times = [[start + r.ttft + sum(r.itls[:i]) for i in range(len(r.itls) + 1)] for start, r in res]
+        lo, hi = max(t[0] for t in times), min(t[-1] for t in times)
+        n = sum(lo <= x <= hi for t in times for x in t)
+        out[f"{mode}_window_s"] = hi - lo
+        out[f"{mode}_decode_tok_s"] = n / (hi - lo) if hi > lo else None
+        out[f"{mode}_step_ms"] = 1e3 * (hi - lo) / (n / len(res)) if hi > lo and n else None
+        out[f"{mode}_ttft_p50_ms"] = statistics.median(r.ttft for r in ok) * 1e3
+        print(f"[moe {mode}] {out[f'{mode}_decode_tok_s']} tok/s over a {hi - lo:.2f} s window "
+              f"{out[f'{mode}_prefill_counters']}", file=sys.stderr, flush=True)
+    return out
+
+
+async def _concurrent(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list:
+    """Every prompt at once; (start time, result) each, start on the perf_counter clock."""
+    import httpx
+
+    from splitserve.bench import Job, one
+
+    async def timed(client, p):
+        start = time.perf_counter()
+        return start, await one(client, url, model, Job(0.0, p, max_tokens))
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+        return await asyncio.gather(*(timed(client, p) for p in prompts))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    ap.add_argument("--parts", default="transfer,handover,goodput,moe")
+    ap.add_argument("--configs", default="1p1d", help="comma-separated: 1p1d, 1p3d, 2p2d")
+    ap.add_argument("--traces", default="azure_conv,azure_code")
+    ap.add_argument("--rates", default="azure_conv=12/24,azure_code=8/16",
+                    help="offered requests/s per trace, several separated by /")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per goodput run")
+    ap.add_argument("--slo-ttft", type=float, default=2.0)
+    ap.add_argument("--slo-itl", type=float, default=0.05)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-input-len", type=int, default=7168)
+    ap.add_argument("--max-output-len", type=int, default=512)
+    ap.add_argument("--kv-transport", default="auto")
+    ap.add_argument("--kv-cache-memory", default="40GiB")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--prefill-budget", type=int, default=8192, help="tokens per step on a prefill worker")
+    ap.add_argument("--decode-budget", type=int, default=2048, help="tokens per step on a decode worker")
+    ap.add_argument("--colocated-budget", type=int, default=512,
+                    help="tokens per step on a colocated worker (chunked prefill sized for the ITL SLO)")
+    ap.add_argument("--disagg-threshold", type=int, default=512)
+    ap.add_argument("--handover-len", type=int, default=3072)
+    ap.add_argument("--handover-output", type=int, default=16)
+    ap.add_argument("--handover-requests", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--moe-batch", type=int, default=64)
+    ap.add_argument("--moe-input", type=int, default=1024)
+    ap.add_argument("--moe-output", type=int, default=256)
+    ap.add_argument("--moe-kv-cache-memory", default="12GiB")
+    ap.add_argument("--gpus", type=int, default=0, help="GPUs on this host (default: all visible)")
+    ap.add_argument("--tag", default=None, help="file name part (default: the GPU name and count)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--update", default=None, help="merge into this result file")
+    ap.add_argument("--logs", default=None, help="directory for the processes' logs")
+    ap.add_argument("--partial", default=None, help="write what is measured so far to this file as it comes")
+    args = ap.parse_args()
+
+    import torch
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("serving_gpu: no GPU visible (use --device cpu for a dry run)")
+        args.gpus = args.gpus or torch.cuda.device_count()
+        gpu = torch.cuda.get_device_name(0)
+    else:
+        args.gpus = args.gpus or 4
+        gpu = None
+    need = max(sum(CONFIGS[c]) for c in args.configs.split(",")) if "goodput" in args.parts else 2
+    if args.gpus < need:
+        sys.exit(f"serving_gpu: the parts asked for need {need} GPUs, {args.gpus} are visible")
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="splitserve-serving-gpu-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    model = model_dir(args.shape, Path(tempfile.mkdtemp(prefix="splitserve-model-")))
+    result: dict = {"gpu": gpu, "gpus": args.gpus, "shape": args.shape, "device": args.device,
+                    "slo": {"ttft_s": args.slo_ttft, "itl_s": args.slo_itl},
+                    "settings": {k: getattr(args, k) for k in ("prefill_budget", "decode_budget", "colocated_budget",
+                                                               "kv_cache_memory", "max_num_seqs", "duration",
+                                                               "rates", "kv_transport", "disagg_threshold")}}
+    parts = args.parts.split(",")
+    t0 = time.monotonic()
+    if "transfer" in parts:
+        result.update(part_transfer(args))
+    save_partial(args, result)
+    if "handover" in parts or "goodput" in parts:
+        serving = part_serving(args, model, logs, "handover" in parts, "goodput" in parts)
+        if "handover" in serving:
+            result["handover"] = serving["handover"]
+            result["handover_ms"] = serving["handover"]["handover_ms"]
+            result["decode_step_ms"] = serving["handover"]["decode_step_ms"]
+        if "goodput" in parts:
+            result["goodput_per_gpu"], result["goodput_runs"] = serving["goodput_per_gpu"], serving["goodput_runs"]
+        save_partial(args, result)
+    if "moe" in parts:
+        result["moe"] = part_moe(args, logs)
+        save_partial(args, result)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+
+    tag = args.tag or (f"{(gpu or 'cpu').split()[-1].lower()}x{args.gpus}")
+    path = Path(args.out or ROOT / "benchmarks" / "results" / f"serving_gpu_{tag}.json")
+    if args.update:
+        old = json.loads(Path(args.update).read_text())
+        for k, v in result.items():
+            if isinstance(v, dict) and isinstance(old.get(k), dict) and k == "goodput_per_gpu":
+                old[k].update(v)
+            else:
+                old[k] = v
+        result, path = old, Path(args.update)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print_table(result)
+    print(json.dumps(result))
+
+
+def print_table(r: dict) -> None:
+    def f(x, d=2):
+        return "-" if x is None else f"{x:.{d}f}"
+
+    print(f"gpu={r.get('gpu')} x{r.get('gpus')} shape={r.get('shape')}")
+    print(f"transfer {f(r.get('transfer_gbps'))} GB/s layer-wise (whole {f(r.get('transfer_whole_gbps'))}) vs "
+          f"peer copy {f(r.get('p2p_copy_gbps'))} GB/s; tail after last layer {f(r.get('transfer_tail_ms'))} ms")
+    print(f"handover {f(r.get('handover_ms'))} ms vs decode step {f(r.get('decode_step_ms'))} ms")
+    for config, traces in (r.get("goodput_per_gpu") or {}).items():
+        for trace, v in traces.items():
+            d, c = v.get("disagg"), v.get("colocated")
+            ratio = d / c if d is not None and c else None
+            print(f"goodput/GPU {config:<12}{trace:<12} disagg {f(d, 3)}  colocated {f(c, 3)}  ratio {f(ratio)}")
+    moe = r.get("moe")
+    if moe:
+        print(f"moe decode tok/s at batch {moe['batch']}: disagg {f(moe.get('disagg_decode_tok_s'), 0)} "
+              f"colocated {f(moe.get('colocated_decode_tok_s'), 0)}")
+
+
+if __name__ == "__main__":
+    main()
