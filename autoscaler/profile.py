@@ -2,7 +2,7 @@
 replica can carry at the SLO (prefill tokens/s within the TTFT objective, decode tokens/s within the ITL one).
 
 The control law sizes pools from `capacity_at_slo`; the simulator times every step with `StepCost`. Both read
-the same JSON file (`benchmarks/results/sim_calibration_*.json`), written by the calibration command. Plain
+the same JSON file (`autoscaler/profiles/*.json`, shipped in the package), written by the calibration command. Plain
 Python: no torch, no numpy.
 """
 
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 PROFILE_VERSION = 1
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"  # the committed profiles, shipped in the package
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ in the simulator with 8B-shaped costs (and the simulator against a real `splitse
                 budget 2048, 128 seqs) at 1k..16k contexts, chunked prefill up to 32k tokens, and the engine's
                 build time -> $OUT or results/sim_calibration_h200_8b_steps.json
   --fit-gpu     fit the 8B-shaped H200 profile from the committed GPU results (and the --measure-gpu steps when
-                present) -> results/sim_calibration_h200_8b.json
-  --calibrate   measure our engine's step times here (`splitserve simulate --calibrate`) -> sim_calibration_cpu2_*.json
+                present) -> autoscaler/profiles/h200_8b.json
+  --calibrate   measure our engine's step times here (`splitserve simulate --calibrate`) -> autoscaler/profiles/cpu2_smollm2.json
   --validate    `splitserve up` (1 prefill + 1 decode) under `splitserve bench` (Poisson, then a trace slice), the
                 same requests simulated with the CPU profile: TTFT and ITL p50/p90 side by side (goal: within 15%)
   (default)     for each trace at its scale: the oracle (cheapest static P:D per 5-minute window), the best static
@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from splitserve.autoscaler.profile import PROFILE_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TRACES = Path(os.environ.get("SPLITSERVE_TRACES", ROOT.parent / "shared" / "traces"))
-GPU_PROFILE = RESULTS / "sim_calibration_h200_8b.json"
+GPU_PROFILE = PROFILE_DIR / "h200_8b.json"
 GPU_STEPS = RESULTS / "sim_calibration_h200_8b_steps.json"
-CPU_PROFILE = RESULTS / "sim_calibration_cpu2_smollm2.json"
+CPU_PROFILE = PROFILE_DIR / "cpu2_smollm2.json"
 
 
 @dataclass(frozen=True)

@@ -253,17 +253,30 @@ UP_FLAGS = [
     flag("redis-url", "redis.url", help="use this Redis instead of starting one (kv_aware routing, the KV pool)"),
     flag("routers", "router.replicas"),
     flag("kv-pool", "kv_pool.enabled"),
+    flag("slo-ttft", "slo.ttft_seconds"),
+    flag("slo-itl", "slo.itl_seconds"),
+    flag("autoscale-interval", "autoscaling.interval_seconds"),
+    flag("scale-up-cooldown", "autoscaling.scale_up_cooldown_seconds"),
+    flag("scale-down-cooldown", "autoscaling.scale_down_cooldown_seconds"),
 ]
 
 
 @app.command("up")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address every process binds")
 @click.option("--dry-run", is_flag=True, help="print the effective SplitServeCluster document and exit")
+@click.option("--autoscale", is_flag=True,
+              help="set autoscaling.mode to slo: the SLO autoscaler starts and drains workers here, within each "
+                   "role's minReplicas..maxReplicas")
+@click.option("--autoscale-profile", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="the replica profile the autoscaler sizes pools with (`splitserve simulate --calibrate` writes "
+                   "one) [default: the committed CPU or GPU calibration]")
 @config_command(UP_FLAGS, file_option="--file")
-def up(resource: ClusterResource, host: str, dry_run: bool) -> None:
+def up(resource: ClusterResource, host: str, dry_run: bool, autoscale: bool, autoscale_profile: str | None) -> None:
     """Start the gateway plus prefill and decode workers as local processes; Ctrl-C stops them all."""
     from splitserve.launcher import run
 
+    if autoscale:
+        resource.spec.autoscaling.mode = "slo"
     if dry_run:
         from splitserve.common.config_file import dump
 
@@ -271,7 +284,7 @@ def up(resource: ClusterResource, host: str, dry_run: bool) -> None:
         return
     setup_logging()
     _prepare(resource)
-    sys.exit(run(resource, host))
+    sys.exit(run(resource, host, autoscale_profile))
 
 
 # -- configuration ----------------------------------------------------------------------------------------

@@ -18,7 +18,11 @@ from splitserve.common.logs import setup_logging
               help="reconcile each cluster this often even without a change (readiness, drift)")
 @click.option("--health-port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="answer liveness probes on http://0.0.0.0:PORT/healthz (0: off)")
-def operator(namespaces: tuple[str, ...], all_namespaces: bool, resync_seconds: float, health_port: int) -> None:
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="serve Prometheus metrics (the autoscaler's desired replicas per role, for KEDA/HPA in "
+                   "external mode) on http://0.0.0.0:PORT/metrics (0: off)")
+def operator(namespaces: tuple[str, ...], all_namespaces: bool, resync_seconds: float, health_port: int,
+             metrics_port: int) -> None:
     """Run the Kubernetes operator (kopf): SplitServeClusters into Deployments, Services, PDBs and Redis."""
     if bool(namespaces) == all_namespaces:
         raise click.UsageError("give --namespace NS (repeatable) or --all-namespaces")
@@ -27,7 +31,7 @@ def operator(namespaces: tuple[str, ...], all_namespaces: bool, resync_seconds: 
         from splitserve.autoscaler.operator.run import run
     except ImportError as e:
         raise click.ClickException(f"the operator needs kopf and kubernetes: pip install 'splitserve[k8s]' ({e})") from None
-    run(namespaces, all_namespaces, resync_seconds, health_port)
+    run(namespaces, all_namespaces, resync_seconds, health_port, metrics_port)
 
 
 @click.command("crd")

@@ -17,12 +17,13 @@ from typing import Any
 
 import click
 
+from splitserve.autoscaler.profile import PROFILE_DIR
 from splitserve.cli_options import config_command, flag
 from splitserve.common.config import ClusterResource
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROFILE = ROOT / "benchmarks" / "results" / "sim_calibration_h200_8b.json"
-DEFAULT_CPU_PROFILE = ROOT / "benchmarks" / "results" / "sim_calibration_cpu2_smollm2.json"
+DEFAULT_PROFILE = PROFILE_DIR / "h200_8b.json"
+DEFAULT_CPU_PROFILE = PROFILE_DIR / "cpu2_smollm2.json"
 
 SIM_FLAGS = [
     flag("slo-ttft", "slo.ttft_seconds"),
@@ -54,7 +55,7 @@ def _fail(message: str) -> None:
 @click.option("--policy", type=click.Choice(["slo", "oracle", "static", "ray", "wva", "dynamo", "all"]),
               default="slo", show_default=True, help="who sets the replicas")
 @click.option("--profile", "profile_path", default=None,
-              help=f"replica profile JSON [default: {DEFAULT_PROFILE.relative_to(ROOT)}]")
+              help=f"replica profile JSON [default: {DEFAULT_PROFILE.name}]")
 @click.option("--time-scale", type=float, default=1.0, show_default=True, help="multiply arrival times by this")
 @click.option("--rate-scale", type=float, default=1.0, show_default=True,
               help="replay each request this many times on average (more load, same duration)")

@@ -37,6 +37,8 @@ class Launcher:
         self.host = host
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._reported: set[str] = set()
+        self.retired: set[str] = set()  # workers drained on purpose (scale-down): their exit is no failure
+        self._next_index: dict[str, int] = {"prefill": 0, "decode": 0}
         spec = self.resource.spec
         self.components: dict = {"router": f"http://{host}:{spec.router.port}", "prefill": [], "decode": []}
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-")
@@ -68,7 +70,12 @@ class Launcher:
     def needs_redis(self) -> bool:
         spec = self.resource.spec
         return spec.redis.mode == "bundled" or (spec.redis.mode == "none" and (
-            spec.router.policy == "kv_aware" or spec.kv_pool.enabled))
+            spec.router.policy == "kv_aware" or spec.kv_pool.enabled or self.autoscaling))
+
+    @property
+    def autoscaling(self) -> bool:
+        """The SLO control law starts and drains workers (they find each other through the Redis registry)."""
+        return self.resource.spec.autoscaling.mode == "slo"
 
     def start_redis(self) -> None:
         """A Redis for this cluster (bundled), on a free port, gone with the launcher."""
@@ -91,13 +98,9 @@ class Launcher:
         planned = self.plan()
         self.config_path.write_text(dump(self.resource))
         self.components["config"] = str(self.config_path)
-        config = ["--config", str(self.config_path), "--host", self.host]
         for name, role, port, mport in planned:
-            proc = self._spawn(name, ["worker", "--role", role, "--port", str(port), "--metrics-port", str(mport),
-                                      "--name", name, *config])
-            key = "prefill" if role == "prefill" else "decode"
-            self.components[key].append({"name": name, "grpc": f"{self.host}:{port}",
-                                         "metrics": f"http://{self.host}:{mport}", "pid": proc.pid})
+            self._start_worker(name, role, port, mport)
+        config = ["--config", str(self.config_path), "--host", self.host]
         spec = self.resource.spec
         self.components["routers"] = []
         for i in range(spec.router.replicas):
@@ -106,6 +109,35 @@ class Launcher:
             self.components["routers"].append({"url": f"http://{self.host}:{port}", "pid": proc.pid})
         self.components["router_pid"] = self.components["routers"][0]["pid"]
 
+    def _start_worker(self, name: str, role: str, port: int, mport: int) -> dict:
+        proc = self._spawn(name, ["worker", "--role", role, "--port", str(port), "--metrics-port", str(mport),
+                                  "--name", name, "--config", str(self.config_path), "--host", self.host])
+        key = "prefill" if role == "prefill" else "decode"
+        self._next_index[key] += 1
+        info = {"name": name, "grpc": f"{self.host}:{port}", "metrics": f"http://{self.host}:{mport}", "pid": proc.pid}
+        self.components[key].append(info)
+        return info
+
+    def add_worker(self, pool: str) -> str:
+        """Start one more worker of `pool` (prefill, or decode: colocated workers in colocated mode); its name."""
+        role = "both" if pool == "decode" and self.resource.spec.mode == "colocated" else pool
+        name = f"{pool}-{self._next_index[pool]}"
+        self._start_worker(name, role, free_port(self.host), free_port(self.host))
+        return name
+
+    def workers(self, pool: str) -> list[str]:
+        """Names of `pool`'s worker processes that are running and not being drained."""
+        return [name for name, p in self.procs if name.startswith(f"{pool}-") and name not in self.retired
+                and p.poll() is None]
+
+    def drain_worker(self, name: str) -> None:
+        """SIGTERM one worker: it marks itself draining in the registry, finishes its requests in flight (up to
+        drainSeconds) and exits. Never SIGKILL here: `stop` does that only past the drain period."""
+        proc = next(p for n, p in self.procs if n == name)
+        self.retired.add(name)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
     def dead(self, fatal_only: bool = False) -> str | None:
         """A component that exited; with fatal_only, only the last router or the last decode worker counts (the
         service goes on without a prefill worker, a decode worker or a router replica while others live; a
@@ -113,7 +145,7 @@ class Launcher:
         decode = [p for name, p in self.procs if name.startswith("decode")]
         routers = [p for name, p in self.procs if name.startswith("router")]
         for name, p in self.procs:
-            if p.poll() is None:
+            if p.poll() is None or name in self.retired:
                 continue
             if not fatal_only or all(d.poll() is not None for d in decode) or \
                     all(r.poll() is not None for r in routers):
@@ -194,8 +226,11 @@ def wait_for_redis(host: str, port: int, proc: subprocess.Popen, timeout: float 
     raise RuntimeError(f"redis-server on port {port} did not answer in {timeout:.0f} s")
 
 
-def run(resource: ClusterResource, host: str) -> int:
+def run(resource: ClusterResource, host: str, profile: str | None = None) -> int:
+    """Run the cluster until SIGINT/SIGTERM; with autoscaling.mode slo, the control law with replica `profile`
+    (default: the committed one for the device)."""
     launcher = Launcher(resource, host)
+    autoscaler = None
     stop = [False]
 
     def on_signal(signum, frame) -> None:
@@ -205,7 +240,11 @@ def run(resource: ClusterResource, host: str) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         launcher.start()
-    except RuntimeError as e:
+        if launcher.autoscaling:
+            from splitserve.autoscale_local import LocalAutoscaler
+
+            autoscaler = LocalAutoscaler.for_launcher(launcher, profile)
+    except (RuntimeError, ValueError) as e:
         log.error("cannot start: %s", e)
         launcher.stop()
         return 2
@@ -229,8 +268,12 @@ def run(resource: ClusterResource, host: str) -> int:
                 log.error("stopping: %s", problem)
                 code = 1
                 break
+            if autoscaler is not None:
+                autoscaler.tick()
             time.sleep(0.3)
     finally:
+        if autoscaler is not None:
+            autoscaler.close()
         launcher.stop()
         log.info("all components stopped")
     return code

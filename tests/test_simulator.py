@@ -15,7 +15,7 @@ import pytest
 
 from splitserve.autoscaler.bounds import Bounds
 from splitserve.autoscaler.law import LawConfig
-from splitserve.autoscaler.profile import ReplicaProfile, StepCost, attn_pairs
+from splitserve.autoscaler.profile import PROFILE_DIR, ReplicaProfile, StepCost, attn_pairs
 from splitserve.autoscaler.sim import trace
 from splitserve.autoscaler.sim.calibrate import (
     StepPoint,
@@ -223,13 +223,13 @@ def test_gpu_fit_reproduces_the_committed_measurements_and_reports_its_errors():
         assert len(errors) == len(gpu["decode"]) + len(gpu["prefill"]) + len(steps)
         assert max(abs(e["error"]) for e in errors) < 0.2
         assert sum(abs(e["error"]) for e in errors) / len(errors) < 0.06
-    committed = RESULTS / "sim_calibration_h200_8b.json"
+    committed = PROFILE_DIR / "h200_8b.json"
     if committed.exists():  # the file the benchmark reads is this very fit
         assert ReplicaProfile.load(committed).cost == prof.cost
 
 
 def test_cpu_calibration_reports_fit_and_validation_errors():
-    path = RESULTS / "sim_calibration_cpu2_smollm2.json"
+    path = PROFILE_DIR / "cpu2_smollm2.json"
     if not path.exists():
         pytest.skip("no CPU calibration committed yet (splitserve simulate --calibrate)")
     prof = ReplicaProfile.load(path)

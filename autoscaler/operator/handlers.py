@@ -1,6 +1,7 @@
 """The kopf handlers: one small function per event, each calling the plain reconcile functions with injected
 dependencies. A SplitServeCluster is reconciled when it appears (or the operator restarts), when its spec changes,
-every `resync_seconds` (readiness, drift), and when HPA/KEDA scale one of its SplitServeRoles; its status is what
+every `resync_seconds` (readiness, drift), every `autoscale_seconds` in slo/external mode (the control law's
+turn), and when HPA/KEDA scale one of its SplitServeRoles; its status is what
 `reconcile` returns. API errors worth retrying become `kopf.TemporaryError` with a delay; an unrealisable spec is a
 Degraded condition, never an exception.
 """
@@ -35,7 +36,7 @@ def _write(body: kopf.Body, patch: kopf.Patch, status: dict[str, Any]) -> None:
         patch["status"] = {**{k: None for k in old if k not in status}, **status}
 
 
-def build_registry(deps: Deps, resync_seconds: float) -> kopf.OperatorRegistry:
+def build_registry(deps: Deps, resync_seconds: float, autoscale_seconds: float = 5.0) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     cluster = {"group": names.GROUP, "version": names.VERSION, "plural": names.CLUSTER_PLURAL, "registry": registry}
 
@@ -49,8 +50,18 @@ def build_registry(deps: Deps, resync_seconds: float) -> kopf.OperatorRegistry:
     def cluster_resync(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
         _write(body, patch, _retrying(lambda: reconcile(body, deps)))
 
+    @kopf.timer(**cluster, interval=autoscale_seconds, initial_delay=autoscale_seconds)
+    def cluster_autoscale(body: kopf.Body, spec: kopf.Spec, patch: kopf.Patch, **_: Any) -> None:
+        """slo/external: a pass often enough for the control law's interval (it decides at most once per
+        autoscaling.intervalSeconds; between decisions the pass changes nothing)."""
+        if (spec.get("autoscaling") or {}).get("mode") in ("slo", "external"):
+            _write(body, patch, _retrying(lambda: reconcile(body, deps)))
+
     @kopf.on.delete(**cluster)
     def cluster_deleted(name: str, namespace: str, logger: kopf.Logger, **_: Any) -> None:
+        forget = getattr(deps.desired, "forget", None)
+        if forget is not None:
+            forget(namespace, name)
         removed = _retrying(lambda: delete_children(deps.kube, namespace, name))
         logger.info("removed %d objects of %s", removed, name)
 

@@ -68,7 +68,7 @@ def _current(kube: Kube, namespace: str, name: str) -> Current:
     return {(kind.kind, o["metadata"]["name"]): o for kind in names.OWNED for o in kube.list(kind, namespace, match)}
 
 
-def _observe(current: Current, name: str) -> Observed:
+def _observe(current: Current, name: str, namespace: str) -> Observed:
     """The SplitServeRoles' replicas and the ready pods, as the replica provider sees them."""
     roles, ready = {}, {}
     for component in COMPONENTS:
@@ -79,7 +79,7 @@ def _observe(current: Current, name: str) -> Observed:
         role = current.get((names.ROLE.kind, child))
         if role is not None and isinstance((role.get("spec") or {}).get("replicas"), int):
             roles[component] = role["spec"]["replicas"]
-    return Observed(role_replicas=roles, ready=ready)
+    return Observed(role_replicas=roles, ready=ready, cluster=name, namespace=namespace)
 
 
 def contains(live: Any, wanted: Any) -> bool:
@@ -141,7 +141,7 @@ def reconcile(body: Mapping[str, Any], deps: Deps) -> dict[str, Any]:
         resource = resource_of(body)
         check(resource)
         current = _current(deps.kube, namespace, name)
-        decision = decide(resource.spec, deps.desired(resource.spec, _observe(current, name)))
+        decision = decide(resource.spec, deps.desired(resource.spec, _observe(current, name, namespace)))
     except Unrealisable as e:
         return _degraded(old, e, generation)
     external = resource.spec.autoscaling.mode == "external"

@@ -1,5 +1,5 @@
 """How many workers each role gets: a `DesiredReplicas` provider says what is wanted (the spec, the scale
-subresource, or — plugged in later — the SLO control law), then the cluster's hard bounds (min/max, the
+subresource, or the SLO control law: `operator/slo.py`), then the cluster's hard bounds (min/max, the
 prefill:decode ratio, the GPU budget; `autoscaler.bounds`, shared with the control law) clamp it. A bound that
 no pair can meet is `Unrealisable`: the operator reports it as Degraded instead of applying anything.
 """
@@ -19,6 +19,8 @@ class Observed:
 
     role_replicas: dict[str, int] = field(default_factory=dict)  # SplitServeRoles' spec.replicas (absent: none yet)
     ready: dict[str, int] = field(default_factory=dict)  # ready pods per component
+    cluster: str = ""  # the SplitServeCluster's name and namespace (a provider's per-cluster state)
+    namespace: str = ""
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,8 @@ DesiredReplicas = Callable[[ClusterSpec, Observed], Wanted]
 
 def spec_or_scale(spec: ClusterSpec, observed: Observed) -> Wanted:
     """The default provider. external: what HPA/KEDA wrote on the SplitServeRoles' scale subresource (the spec's
-    replicas until they exist); manual: the spec's replicas; slo: the spec's replicas until the control law is
-    plugged in (pass its provider as `Deps.desired`)."""
+    replicas until they exist); manual: the spec's replicas; slo: the spec's replicas (the control law
+    is `slo.SloReplicas`, which `splitserve operator` passes as `Deps.desired`)."""
     prefill, decode = spec.prefill.replicas, spec.decode.replicas
     mode = spec.autoscaling.mode
     if mode == "external" and observed.role_replicas:

@@ -16,6 +16,7 @@ from splitserve.autoscaler.operator import names
 from splitserve.autoscaler.operator.handlers import build_registry
 from splitserve.autoscaler.operator.kube import Kube
 from splitserve.autoscaler.operator.reconcile import Deps
+from splitserve.autoscaler.operator.slo import SloReplicas
 
 Login = Callable[..., kopf.ConnectionInfo | None]
 
@@ -34,21 +35,29 @@ def settings() -> kopf.OperatorSettings:
 
 async def operate(deps: Deps, login: Login, *, namespaces: Collection[str] = (), clusterwide: bool = False,
                   resync_seconds: float = 30.0, stop_flag: asyncio.Event | threading.Event | None = None,
-                  ready_flag: asyncio.Event | threading.Event | None = None, health_port: int = 0) -> None:
+                  ready_flag: asyncio.Event | threading.Event | None = None, health_port: int = 0,
+                  autoscale_seconds: float = 5.0) -> None:
     """Run until `stop_flag` is set: handlers from `build_registry(deps)`, credentials from `login`; with
     `health_port`, kopf answers liveness probes on http://0.0.0.0:PORT/healthz."""
-    registry = build_registry(deps, resync_seconds)
+    registry = build_registry(deps, resync_seconds, autoscale_seconds)
     kopf.on.login(registry=registry)(login)
     await kopf.operator(registry=registry, settings=settings(), standalone=True, clusterwide=clusterwide,
                         namespaces=list(namespaces), stop_flag=stop_flag, ready_flag=ready_flag,
                         liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None)
 
 
-def run(namespaces: Collection[str], clusterwide: bool, resync_seconds: float, health_port: int = 0) -> None:
-    """The operator in this process, with the pod's service account (or the kubeconfig)."""
+def run(namespaces: Collection[str], clusterwide: bool, resync_seconds: float, health_port: int = 0,
+        metrics_port: int = 0) -> None:
+    """The operator in this process, with the pod's service account (or the kubeconfig); the SLO control law
+    for clusters in slo/external mode; with `metrics_port`, Prometheus metrics (the autoscaler's desired
+    replicas, which KEDA/HPA read in external mode) on http://0.0.0.0:PORT/metrics."""
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)
 
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
-    asyncio.run(operate(Deps(Kube.from_environment()), login, namespaces=namespaces, clusterwide=clusterwide,
+    asyncio.run(operate(Deps(Kube.from_environment(), SloReplicas()), login, namespaces=namespaces, clusterwide=clusterwide,
                         resync_seconds=resync_seconds, health_port=health_port))

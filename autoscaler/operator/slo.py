@@ -1,0 +1,102 @@
+"""The Kubernetes actuator of the SLO control law: a `DesiredReplicas` provider (`Deps.desired`) that runs the
+shared `Autoscaler` for each cluster in `slo` and `external` mode.
+
+- slo: every `autoscaling.intervalSeconds` the law decides from an observation of the cluster (its Redis
+  registry and the gateway's /metrics, reached through their Services); the decision is what the reconcile pass
+  applies to the SplitServeRoles and Deployments (clamped again by the bounds) and writes to
+  `status.lastDecision` with its reason. Between decisions the last one holds.
+- external: the same law runs, but only exports `splitserve_autoscaler_desired_replicas{cluster,role}` for
+  KEDA/HPA, which scale the SplitServeRoles' scale subresource; the operator applies what they write.
+- manual: the spec's replicas.
+
+Observation sources are injected (`observers`), so tests give a real Redis and a metrics server of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from splitserve.autoscaler.actuator import Autoscaler, default_profile, forget, load_profile
+from splitserve.autoscaler.observations import Observation
+from splitserve.autoscaler.observer import Observer
+from splitserve.autoscaler.operator import names
+from splitserve.autoscaler.operator.replicas import Observed, Unrealisable, Wanted, spec_or_scale
+from splitserve.autoscaler.profile import ReplicaProfile
+from splitserve.common.config import ClusterSpec
+
+log = logging.getLogger("splitserve.operator.slo")
+ObserverFactory = Callable[[str, str, ClusterSpec], Observer | Callable[..., Observation]]
+
+
+def service_observer(namespace: str, cluster: str, spec: ClusterSpec) -> Observer:
+    """The cluster as the operator reaches it: the bundled Redis's Service (or the external URL) and the
+    gateway's Service. With several gateway replicas behind it each scrape reaches one of them, so the rates are
+    one gateway's share (the registry's queue depths are whole)."""
+    if spec.redis.mode == "bundled":
+        redis_url = f"redis://{names.child_name(cluster, names.REDIS)}.{namespace}.svc:{names.REDIS_PORT}/0"
+    else:
+        redis_url = spec.redis.resolved_url()
+    gateway = f"http://{names.child_name(cluster, names.GATEWAY)}.{namespace}.svc:{spec.router.port}"
+    return Observer(redis_url, spec.model.served_name, [gateway], colocated=spec.mode == "colocated")
+
+
+class SloReplicas:
+    """`Deps.desired` for the SLO law; one `Autoscaler` (and its state) per cluster, kept in memory."""
+
+    def __init__(self, observers: ObserverFactory = service_observer,
+                 profile: Callable[[ClusterSpec], ReplicaProfile] | None = None) -> None:
+        self.observers = observers
+        self.profile = profile or self._default_profile
+        self._scalers: dict[tuple[str, str], Autoscaler] = {}
+        self._applied: dict[tuple[str, str], Wanted] = {}
+        self._lock = threading.Lock()  # kopf runs sync handlers in threads
+
+    @staticmethod
+    def _default_profile(spec: ClusterSpec) -> ReplicaProfile:
+        path: Path = default_profile(spec, gpu=spec.model.device != "cpu")
+        try:
+            return load_profile(path)
+        except ValueError as e:
+            raise Unrealisable("NoReplicaProfile", f"autoscaling.mode slo needs a replica profile: {e}") from None
+
+    def __call__(self, spec: ClusterSpec, observed: Observed) -> Wanted:
+        mode = spec.autoscaling.mode
+        key = (observed.namespace, observed.cluster)
+        if mode == "manual" or not observed.cluster:
+            self.forget(*key)
+            return spec_or_scale(spec, observed)
+        with self._lock:
+            scaler = self._scalers.get(key)
+            if scaler is None:
+                scaler = Autoscaler(observed.cluster, spec, self.observers(*key, spec), self.profile(spec))
+                self._scalers[key] = scaler
+            elif scaler.spec != spec:
+                scaler.configure(spec)
+            fallback = spec_or_scale(spec, observed)
+            current = {"prefill": observed.role_replicas.get("prefill", spec.prefill.replicas),
+                       "decode": observed.role_replicas.get("decode", spec.decode.replicas)}
+            decision = scaler.tick(current)
+            if mode == "external":
+                return fallback  # the law's numbers are exported; HPA/KEDA apply them through /scale
+            last = self._applied.get(key)
+            if decision is not None and (last is None or decision.changed
+                                         or (last.prefill, last.decode) != (decision.prefill.desired,
+                                                                           decision.decode.desired)):
+                last = Wanted(decision.prefill.desired, decision.decode.desired, f"slo: {decision.reason}")
+                self._applied[key] = last
+            if last is None:  # no decision yet (the first observation only opens the window)
+                return Wanted(current["prefill"], current["decode"], "slo: waiting for the first observation window")
+            return last
+
+    def forget(self, namespace: str, cluster: str) -> None:
+        with self._lock:
+            scaler = self._scalers.pop((namespace, cluster), None)
+            self._applied.pop((namespace, cluster), None)
+        if scaler is not None:
+            forget(cluster)
+            close = getattr(scaler.observe, "__self__", None)
+            if isinstance(close, Observer):
+                close.close()

@@ -1,0 +1,38 @@
+"""A tiny HTTP server serving hand-written Prometheus text, standing in for gateways' and workers' /metrics."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+
+class MetricsServer:
+    """Serves `pages[path]` at GET path (404 for others); tests edit `pages` between observations."""
+
+    def __init__(self) -> None:
+        pages: dict[str, str] = {}
+        self.pages = pages
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                body = pages.get(self.path)
+                if body is None:
+                    self.send_error(404)
+                    return
+                data = body.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
