@@ -112,7 +112,9 @@ def test_default_install_is_a_cpu_smollm2_cluster_with_bundled_redis():
     assert [r["kind"] for r in kinds["Role"]] == ["Role"] and "ClusterRole" not in kinds
     [operator] = kinds["Deployment"]
     assert operator["spec"]["template"]["spec"]["containers"][0]["command"] == [
-        "splitserve", "operator", "--namespace", "serving", "--resync-seconds", "30", "--health-port", "8080"]
+        "splitserve", "operator", "--namespace", "serving", "--resync-seconds", "30", "--health-port", "8080",
+        "--metrics-port", "9090"]
+    assert [s["metadata"]["name"] for s in kinds["Service"]] == ["splitserve-operator-metrics"]
     assert {p["metadata"]["name"] for p in kinds["NetworkPolicy"]} == \
         {"splitserve-gateway", "splitserve-workers", "splitserve-redis"}
     [dashboard] = kinds["ConfigMap"]
@@ -188,7 +190,9 @@ def monitored_chart(tmp_path: Path) -> Path:
 def test_service_monitor_and_alert_rules_where_prometheus_operator_exists(tmp_path):
     values = {"cluster": {"spec": {"slo": {"ttftSeconds": 1.5, "itlSeconds": 0.05}}}}
     kinds = by_kind(render(values, monitored_chart(tmp_path)))
-    [monitor] = kinds["ServiceMonitor"]
+    monitors = {m["metadata"]["name"]: m for m in kinds["ServiceMonitor"]}
+    assert sorted(monitors) == ["splitserve", "splitserve-operator"]  # the cluster's and the operator's
+    monitor = monitors["splitserve"]
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["http", "metrics"]
     assert monitor["spec"]["selector"]["matchLabels"][names.CLUSTER_LABEL] == "splitserve"
     [rule] = kinds["PrometheusRule"]

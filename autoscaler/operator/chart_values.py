@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from splitserve.common.config import ClusterSpec, Spec
+from splitserve.common.config import ClusterSpec, Port, Spec
 from splitserve.common.config_file import json_schema
 
 
@@ -25,6 +25,9 @@ class OperatorValues(Spec):
     """How often each cluster is reconciled even without a change (readiness, scale subresource)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """The operator's log level."""
+    metrics_port: Port = 9090
+    """The operator's Prometheus metrics port (`--metrics-port`, a Service port named `metrics`): the autoscaler's
+    desired replicas per role, which KEDA/HPA read in `autoscaling.mode: external`."""
     resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)
     """The operator container's resource requests and limits."""
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -54,7 +57,7 @@ class ApiKeysValues(Spec):
 class NetworkPolicyValues(Spec):
     enabled: bool = True
     """Clients reach only the gateway; workers accept gRPC only from the gateway and other workers; Redis only
-    from the cluster's pods."""
+    from the cluster's pods and the operator (whose autoscaler also scrapes the workers' metrics)."""
     metrics_from: list[dict[str, Any]] = Field(default_factory=lambda: [{"namespaceSelector": {}}])
     """NetworkPolicy peers allowed to scrape the workers' metrics port (default: any pod in the cluster)."""
 
@@ -84,7 +87,7 @@ class DashboardValues(Spec):
 
 class MonitoringValues(Spec):
     service_monitor: ServiceMonitorValues = Field(default_factory=ServiceMonitorValues)
-    """Prometheus Operator scraping of the gateway and the workers."""
+    """Prometheus Operator scraping of the gateway, the workers and the operator."""
     prometheus_rule: PrometheusRuleValues = Field(default_factory=PrometheusRuleValues)
     """SLO alerts."""
     grafana_dashboard: DashboardValues = Field(default_factory=DashboardValues)
