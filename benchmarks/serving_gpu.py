@@ -9,6 +9,8 @@ Parts (--parts):
   goodput   per-GPU goodput (requests/s meeting --slo-ttft and --slo-itl, over the GPUs used) of each
             configuration's disaggregated and colocated clusters on two trace slices replayed at a fixed rate:
             Azure conversation (azure_conv) and Azure code, the prefill-heavy one (azure_code)
+  burst     prefill throughput through the serving stack: prompts sent at once to 1P+1D and to one colocated
+            worker with the prefill worker's chunk budget, against the engine's own prefill rate
   moe       an MoE shape (Qwen3-30B-A3B): prefill TP=1 streaming into decode TP=2 with expert parallelism,
             decode tokens/s at batch --moe-batch, against a colocated TP=2 EP worker (the same requests)
 Configurations (--configs): 1p1d (2 GPUs; against 2 colocated), 1p3d and 2p2d (4 GPUs; against 4 colocated).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import functools
 import json
 import os
 import signal
@@ -150,6 +153,17 @@ class Cluster:
                         out[key] = out.get(key, 0.0) + float(value)
         return out
 
+    def kv_transports(self) -> list[str]:
+        """What each worker's KV agent chose ("kv transport: nixl ..." in its log): auto falls back to tcp."""
+        found = []
+        for name, _ in self.procs:
+            for line in (self.log_dir / f"{self.name}-{name}.log").read_text(errors="replace").splitlines():
+                if "kv transport:" in line:
+                    chosen = line.split("kv transport:", 1)[1].strip().rstrip('"}')  # the log line is JSON
+                    found.append(f"{name}: {chosen}")
+                    break
+        return found
+
     def stop(self) -> None:
         for _, p in self.procs:
             if p.poll() is None:
@@ -189,9 +203,10 @@ def gpu_groups(n: int, per: int = 1) -> list[list[int]]:
 
 # -- parts ---------------------------------------------------------------------------------------------------
 def part_transfer(args) -> dict:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "kv_transfer.py"), "--backend", "nixl" if args.device == "cuda"
-           else args.kv_transport, "--device", args.device, "--cases", "llama8b_3k,one_layer_403mb" if args.device == "cuda"
-           else "smollm2_2k", "--reps", str(args.reps)]
+    backend = args.kv_transport if args.kv_transport != "auto" else ("nixl" if args.device == "cuda" else "tcp")
+    cases = "llama8b_3k,one_layer_403mb" if args.device == "cuda" else "smollm2_2k"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kv_transfer.py"), "--backend", backend,
+           "--device", args.device, "--cases", cases, "--reps", str(args.reps)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, **CHILD_ENV))
     sys.stderr.write(out.stdout)
     if out.returncode != 0:
@@ -233,9 +248,9 @@ def handover(url: str, args) -> dict:
             "ttft_all_ms": [round(r.ttft * 1e3, 2) for r in ok]}
 
 
-def _trace_scale(trace: str, n: int, rate: float) -> float:
+def _trace_scale(trace_dir: Path, trace: str, n: int, rate: float) -> float:
     """--time-scale that replays the trace's first n requests at `rate` requests/s on average."""
-    with open(TRACES / TRACE_FILES[trace]) as f:
+    with open(trace_dir / TRACE_FILES[trace]) as f:
         rows = [float(r["arrived_at"]) for _, r in zip(range(n), csv.DictReader(f), strict=False)]
     span = rows[-1] - rows[0]
     return (n - 1) / rate / span if span > 0 else 1.0
@@ -244,8 +259,9 @@ def _trace_scale(trace: str, n: int, rate: float) -> float:
 def bench(args, url: str, trace: str, rate: float) -> dict:
     n = max(8, int(rate * args.duration))
     cmd = [str(Path(sys.executable).parent / "splitserve"), "bench", "--url", url, "--model", args.shape,
-           "--trace", str(TRACES / TRACE_FILES[trace]), "--num-requests", str(n),
-           "--time-scale", f"{_trace_scale(trace, n, rate):.6f}", "--max-input-len", str(args.max_input_len),
+           "--trace", str(args.trace_dir / TRACE_FILES[trace]), "--num-requests", str(n),
+           "--time-scale", f"{_trace_scale(args.trace_dir, trace, n, rate):.6f}",
+           "--max-input-len", str(args.max_input_len),
            "--max-output-len", str(args.max_output_len), "--slo-ttft", str(args.slo_ttft),
            "--slo-itl", str(args.slo_itl), "--vocab-low", "1", "--vocab-high",
            str(SHAPES[args.shape]["vocab_size"]), "--json", "--no-progress", "--timeout", "300"]
@@ -273,31 +289,22 @@ def part_serving(args, model: Path, logs: Path, want_handover: bool, want_goodpu
         colocated = [("both", [i], worker_args(args, "both")) for i in range(gpus)]
         key = f"{gpus}gpu_{config}"
         runs: dict = {}
+        if traces:
+            out["goodput_runs"][key] = runs  # filled in place: the partial file shows each run as it ends
         for mode, workers in (("disagg", disagg), ("colocated", colocated)):
             if mode == "colocated" and gpus in colocated_done:
                 runs["colocated"] = colocated_done[gpus]
                 continue
-            with Cluster(args, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
-                         f"{key}-{mode}") as c:
-                # warm-up past the disaggregation threshold: connections, NIXL handshakes, kernels' first runs
-                warm = _prompts(2, args.disagg_threshold + 256, SHAPES[args.shape]["vocab_size"], 3)
-                asyncio.run(_sequential(c.url, args.shape, warm, 4))
-                res: dict = {}
-                if want_handover and "handover" not in out and gpus == 2:
-                    res["handover"] = handover(c.url, args)
-                for trace in traces:
-                    for rate in rates[trace]:
-                        before = c.counters()
-                        r = bench(args, c.url, trace, rate)
-                        after = c.counters()
-                        r["prefill_counters"] = {k: after[k] - before.get(k, 0.0) for k in after
-                                                 if after[k] != before.get(k, 0.0)}
-                        print(f"[{key} {mode} {trace} @{rate}] goodput {r['goodput_rps']} req/s, ttft p50 "
-                              f"{r['ttft_p50_s']} p99 {r['ttft_p99_s']}, itl p50 {r['itl_p50_s']} p99 "
-                              f"{r['itl_p99_s']}, failed {r['failed']} {r['prefill_counters']}",
-                              file=sys.stderr, flush=True)
-                        res.setdefault(trace, []).append(r)
-                runs[mode] = res
+            res: dict = {}
+            runs[mode] = res
+            after_run = functools.partial(_after_run, args, out, key, runs, traces, gpus)
+            try:
+                _measure_cluster(args, model, logs, key, mode, workers, res,
+                                 want_handover and "handover" not in out and gpus == 2,
+                                 {t: rates[t] for t in traces}, after_run)
+            except (RuntimeError, TimeoutError, OSError) as e:  # a cluster that fails to start or serve
+                print(f"[{key} {mode}] failed: {e}", file=sys.stderr, flush=True)
+                res["error"] = str(e)[-2000:]
             if mode == "colocated":
                 colocated_done[gpus] = res
             save_partial(args, out)
@@ -310,12 +317,56 @@ def part_serving(args, model: Path, logs: Path, want_handover: bool, want_goodpu
                                "handover_ms": d["ttft_ms"] - c["ttft_ms"], "decode_step_ms": d["itl_ms"]}
         runs.get("colocated", {}).pop("handover", None)
         if traces:
-            out["goodput_runs"][key] = runs
-            # per trace: the best goodput over the offered rates, over the GPUs used
-            out["goodput_per_gpu"][key] = {
-                t: {m: max(r["goodput_rps"] for r in runs[m][t]) / gpus for m in ("disagg", "colocated")}
-                for t in traces}
+            out["goodput_per_gpu"][key] = _per_gpu(runs, traces, gpus)
+        save_partial(args, out)
     return out
+
+
+def _measure_cluster(args, model: Path, logs: Path, key: str, mode: str, workers: list, res: dict,
+                     want_handover: bool, rates: dict[str, list[float]], after_run) -> None:
+    """One cluster: warm-up, then the handover (if asked), then each trace at each offered rate, into `res`."""
+    with Cluster(args, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
+                 f"{key}-{mode}") as c:
+        # warm-up past the disaggregation threshold: connections, NIXL handshakes, kernels' first runs
+        warm = _prompts(2, args.disagg_threshold + 256, SHAPES[args.shape]["vocab_size"], 3)
+        asyncio.run(_sequential(c.url, args.shape, warm, 4))
+        res["kv_transports"] = c.kv_transports()
+        if want_handover:
+            res["handover"] = handover(c.url, args)
+            after_run()
+        for trace, trace_rates in rates.items():
+            for rate in trace_rates:
+                before = c.counters()
+                try:
+                    r = bench(args, c.url, trace, rate)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    print(f"[{key} {mode} {trace} @{rate}] failed: {e}", file=sys.stderr, flush=True)
+                    res.setdefault(trace, []).append({"offered_rps": rate, "error": str(e)[-500:]})
+                    after_run()
+                    continue
+                after = c.counters()
+                r["prefill_counters"] = {k: after[k] - before.get(k, 0.0) for k in after
+                                         if after[k] != before.get(k, 0.0)}
+                print(f"[{key} {mode} {trace} @{rate}] goodput {r['goodput_rps']} req/s, ttft p50 "
+                      f"{r['ttft_p50_s']} p99 {r['ttft_p99_s']}, itl p50 {r['itl_p50_s']} p99 "
+                      f"{r['itl_p99_s']}, failed {r['failed']} {r['prefill_counters']}", file=sys.stderr, flush=True)
+                res.setdefault(trace, []).append(r)
+                after_run()
+
+
+def _after_run(args, out: dict, key: str, runs: dict, traces: list[str], gpus: int) -> None:
+    if traces:
+        out["goodput_per_gpu"][key] = _per_gpu(runs, traces, gpus)
+    save_partial(args, out)
+
+
+def _per_gpu(runs: dict, traces: list[str], gpus: int) -> dict:
+    """Per trace and mode: the best goodput over the offered rates, over the GPUs used (None: not measured)."""
+    def best(mode: str, trace: str) -> float | None:
+        ok = [r["goodput_rps"] for r in runs.get(mode, {}).get(trace, []) if "goodput_rps" in r]
+        return round(max(ok) / gpus, 4) if ok else None
+
+    return {t: {m: best(m, t) for m in ("disagg", "colocated")} for t in traces}
 
 
 _PARTIAL: dict = {}
@@ -328,6 +379,31 @@ def save_partial(args, part: dict) -> None:
         Path(args.partial).write_text(json.dumps(_PARTIAL, indent=1))
 
 
+def part_burst(args, model: Path, logs: Path) -> dict:
+    """Prefill throughput through the whole serving stack: --burst-requests prompts of --burst-len tokens sent at
+    once (2 output tokens each) to a 1P+1D cluster and to one colocated worker with the prefill worker's chunk
+    budget, against the engine's own prefill rate (~40k tokens/s for 8B on an H200, gpu_engine_nvidia_h200.json)."""
+    vocab = SHAPES[args.shape]["vocab_size"]
+    out: dict = {"requests": args.burst_requests, "prompt_tokens": args.burst_len}
+    flags = worker_args(args, "prefill")
+    for mode, workers in (("disagg", [("prefill", [0], flags), ("decode", [1], worker_args(args, "decode"))]),
+                          ("colocated", [("both", [0], flags)])):
+        with Cluster(args, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
+                     f"burst-{mode}") as c:
+            asyncio.run(_sequential(c.url, args.shape, _prompts(2, args.burst_len, vocab, 6), 2))
+            burst = _prompts(args.burst_requests, args.burst_len, vocab, 7)
+            res = asyncio.run(_concurrent(c.url, args.shape, burst, 2))
+        ok = [(t, r) for t, r in res if r.ok]
+        t0 = min(t for t, _ in res)
+        wall = max(t + r.ttft for t, r in ok) - t0 if ok else None
+        out[mode] = {"ok": len(ok), "wall_s": wall,
+                     "prefill_tok_s": len(ok) * args.burst_len / wall if wall else None,
+                     "ttft_p50_ms": statistics.median(r.ttft for _, r in ok) * 1e3 if ok else None,
+                     "ttft_max_ms": max(r.ttft for _, r in ok) * 1e3 if ok else None}
+        print(f"[burst {mode}] {out[mode]}", file=sys.stderr, flush=True)
+    return out
+
+
 def part_moe(args, logs: Path) -> dict:
     """Qwen3-30B-A3B shape: decode tokens/s at batch --moe-batch, disaggregated (prefill TP=1 into decode TP=2
     with expert parallelism) against colocated TP=2 EP; both measured as batch / median inter-token latency
@@ -337,14 +413,20 @@ def part_moe(args, logs: Path) -> dict:
     model = model_dir(shape, Path(tempfile.mkdtemp(prefix="splitserve-moe-")))
     n_gpus = args.gpus
     pre_gpu = [0]
-    dec_gpus = [1, 2] if n_gpus >= 3 else [0, 1]  # on 2 GPUs the prefill worker shares GPU 0
+    if args.device == "cuda" and n_gpus < 3:
+        # a 30B prefill worker (~115 GiB with its KV and workspace on an H200) leaves no room for a decode rank
+        raise RuntimeError(f"moe needs 3 GPUs (prefill on one, decode TP=2 on two), {n_gpus} visible")
+    dec_gpus = [1, 2] if n_gpus >= 3 else [0, 1]  # CPU dry run: the prefill worker shares "GPU" 0
+    if args.moe_decode_tp == 1:  # the diagnosis: the same run with no sharding (prefill TP=1 into decode TP=1)
+        dec_gpus = dec_gpus[1:]
+    ep = ["--expert-parallel"] if len(dec_gpus) > 1 else []
     kv = args.moe_kv_cache_memory
     flags = ["--max-num-seqs", str(max(args.moe_batch, 8)), "--kv-cache-memory", kv]
     out: dict = {"batch": args.moe_batch, "prefill_gpus": pre_gpu, "decode_gpus": dec_gpus}
     prompts = _prompts(args.moe_batch, args.moe_input, SHAPES[shape]["vocab_size"], 4)
     for mode, workers in (("disagg", [("prefill", pre_gpu, flags + ["--max-num-batched-tokens", "8192"]),
-                                      ("decode", dec_gpus, flags + ["--expert-parallel"])]),
-                          ("colocated", [("both", dec_gpus, flags + ["--expert-parallel"])])):
+                                      ("decode", dec_gpus, flags + ep)]),
+                          ("colocated", [("both", dec_gpus, flags + ep)])):
         sub.disagg_threshold = min(args.disagg_threshold, args.moe_input)
         with Cluster(sub, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
                      f"moe-{mode}") as c:
@@ -394,6 +476,8 @@ def main() -> None:
     ap.add_argument("--traces", default="azure_conv,azure_code")
     ap.add_argument("--rates", default="azure_conv=12/24,azure_code=8/16",
                     help="offered requests/s per trace, several separated by /")
+    ap.add_argument("--trace-dir", type=Path, default=TRACES,
+                    help="folder of the Azure trace CSVs (a device machine gets no ../shared: carry them)")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per goodput run")
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-itl", type=float, default=0.05)
@@ -412,9 +496,13 @@ def main() -> None:
     ap.add_argument("--handover-output", type=int, default=16)
     ap.add_argument("--handover-requests", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--burst-requests", type=int, default=32)
+    ap.add_argument("--burst-len", type=int, default=2048)
     ap.add_argument("--moe-batch", type=int, default=64)
     ap.add_argument("--moe-input", type=int, default=1024)
     ap.add_argument("--moe-output", type=int, default=256)
+    ap.add_argument("--moe-decode-tp", type=int, choices=[1, 2], default=2,
+                    help="decode TP (EP when 2); 1 runs the same requests with no KV sharding, for comparison")
     ap.add_argument("--moe-kv-cache-memory", default="12GiB")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs on this host (default: all visible)")
     ap.add_argument("--tag", default=None, help="file name part (default: the GPU name and count)")
@@ -447,8 +535,13 @@ def main() -> None:
                                                                "rates", "kv_transport", "disagg_threshold")}}
     parts = args.parts.split(",")
     t0 = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: unwind, so the clusters are stopped
     if "transfer" in parts:
-        result.update(part_transfer(args))
+        try:
+            result.update(part_transfer(args))
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+            result["transfer_error"] = str(e)[-2000:]
+            print(f"[transfer] failed: {e}", file=sys.stderr, flush=True)
     save_partial(args, result)
     if "handover" in parts or "goodput" in parts:
         serving = part_serving(args, model, logs, "handover" in parts, "goodput" in parts)
@@ -459,9 +552,14 @@ def main() -> None:
         if "goodput" in parts:
             result["goodput_per_gpu"], result["goodput_runs"] = serving["goodput_per_gpu"], serving["goodput_runs"]
         save_partial(args, result)
-    if "moe" in parts:
-        result["moe"] = part_moe(args, logs)
-        save_partial(args, result)
+    for name, run in (("burst", lambda: part_burst(args, model, logs)), ("moe", lambda: part_moe(args, logs))):
+        if name in parts:
+            try:
+                result[name] = run()
+            except (RuntimeError, TimeoutError, OSError) as e:
+                result[name] = {"error": str(e)[-2000:]}
+                print(f"[{name}] failed: {e}", file=sys.stderr, flush=True)
+            save_partial(args, result)
     result["wall_s"] = round(time.monotonic() - t0, 1)
 
     tag = args.tag or (f"{(gpu or 'cpu').split()[-1].lower()}x{args.gpus}")
@@ -493,8 +591,12 @@ def print_table(r: dict) -> None:
             d, c = v.get("disagg"), v.get("colocated")
             ratio = d / c if d is not None and c else None
             print(f"goodput/GPU {config:<12}{trace:<12} disagg {f(d, 3)}  colocated {f(c, 3)}  ratio {f(ratio)}")
+    burst = r.get("burst") or {}
+    for mode in ("disagg", "colocated"):
+        if isinstance(burst.get(mode), dict):
+            print(f"burst prefill {mode}: {f(burst[mode].get('prefill_tok_s'), 0)} tokens/s")
     moe = r.get("moe")
-    if moe:
+    if moe and "batch" in moe:
         print(f"moe decode tok/s at batch {moe['batch']}: disagg {f(moe.get('disagg_decode_tok_s'), 0)} "
               f"colocated {f(moe.get('colocated_decode_tok_s'), 0)}")
 
