@@ -204,7 +204,7 @@ class KVAware:
     reasons = ("kv_overlap", "load", "session", "degraded")
 
     def __init__(self, source: IndexSource | None, block_size: int = 16, threshold: int = 512,
-                 overlap_weight: float = 1.0, decode_weight: float = 1.0, pool_credit: float = 0.8,
+                 overlap_weight: float = 4.0, decode_weight: float = 1.0, pool_credit: float = 0.8,
                  session_slack: int = 256) -> None:
         self.source = source
         self.block_size = block_size

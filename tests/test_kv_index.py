@@ -124,7 +124,7 @@ def test_kv_aware_prefers_cached_prefix_until_load_outweighs_it():
     policy = KVAware(src, threshold=512)
     d = policy.route(req, View(a, b))
     assert (d.decode.name, d.reason, d.cached_tokens, d.prefill) == ("b", "kv_overlap", 480, None)
-    b.decoding_blocks = 100  # b is busy: 30 cached blocks no longer pay for 100 blocks decoding there
+    b.decoding_blocks = 200  # b is busy: 30 cached blocks (x4) no longer pay for 200 blocks decoding there
     assert policy.route(req, View(a, b)).decode.name == "a"
 
 

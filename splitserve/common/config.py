@@ -184,8 +184,9 @@ class KVAwareSpec(Spec):
     """The kv_aware policy's cost, in KV blocks (docs/routing.md): overlapWeight x blocks to compute + blocks
     waiting for prefill + decodeWeight x blocks decoding."""
 
-    overlap_weight: Annotated[float, Field(ge=0)] = 1.0
-    """Weight of the prompt blocks a worker would have to compute (what a cache hit saves)."""
+    overlap_weight: Annotated[float, Field(ge=0)] = 4.0
+    """Weight of the prompt blocks a worker would have to compute (what a cache hit saves): 4 lets a worker's
+    cached prefix outweigh up to 3x as many blocks of load queued there (docs/routing.md)."""
     decode_weight: Annotated[float, Field(ge=0)] = 1.0
     """Weight of the blocks of requests decoding on a worker (its decode load)."""
     pool_credit: Annotated[float, Field(ge=0, le=1)] = 0.8
