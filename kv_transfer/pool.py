@@ -43,6 +43,11 @@ LOOKUP_TOKENS = Counter("splitserve_kv_pool_lookup_tokens",
                         "Prompt tokens looked up in the KV pool (beyond the worker's own cache)")
 BYTES_WRITTEN = Counter("splitserve_kv_pool_bytes_written", "Bytes of KV blocks written to the pool")
 BYTES_READ = Counter("splitserve_kv_pool_bytes_read", "Bytes of KV blocks read from the pool")
+# bandwidth = bytes / seconds (benchmarks/kv_pool.py)
+READ_SECONDS = Counter("splitserve_kv_pool_read_seconds",
+                       "Seconds spent reading KV blocks from the pool (pipelined GETs, header and checksum checks)")
+WRITE_SECONDS = Counter("splitserve_kv_pool_write_seconds",
+                        "Seconds spent storing KV blocks in the pool (pipelined SETs and their pool-tier event)")
 BLOCKS_WRITTEN = Counter("splitserve_kv_pool_blocks_written", "KV blocks written to the pool")
 BLOCKS_SKIPPED = Counter("splitserve_kv_pool_blocks_skipped", "KV blocks not written: already in the pool")
 ERRORS = Counter("splitserve_kv_pool_errors", "KV pool reads or writes that failed, by reason", ["reason"])
@@ -139,7 +144,10 @@ class KVPool:
             await r.xadd(self.keys.events, record.encode(), maxlen=200_000, approximate=True)
             return True
 
-        if not await self.link.call(store, False):
+        t0 = time.monotonic()
+        stored = await self.link.call(store, False)
+        WRITE_SECONDS.inc(time.monotonic() - t0)
+        if not stored:
             ERRORS.labels("redis").inc()
             return 0
         BLOCKS_WRITTEN.inc(len(found))
@@ -199,6 +207,7 @@ class KVPool:
         nbytes = len(good) * self.ns.payload_bytes
         BYTES_READ.inc(nbytes)
         elapsed = time.monotonic() - t0
+        READ_SECONDS.inc(elapsed)
         if nbytes and elapsed > 0:
             self.read_gbps = 0.8 * self.read_gbps + 0.2 * nbytes / elapsed / 1e9
         return torch.from_numpy(out)

@@ -32,3 +32,23 @@ def test_kv_transfer_contract():
     assert case["verified"] is True
     for key in ("whole_gbps", "layerwise_gbps", "tail_after_last_layer_ms"):
         assert case[key] > 0
+
+
+def test_routing_micro_contract():
+    out = last_json(["benchmarks/routing.py", "--micro-only", "--json", "--micro-blocks", "5000", "--micro-workers", "8",
+                     "--micro-decisions", "50", "--micro-single-records", "500", "--micro-prompt-tokens", "1024"])
+    assert out["hit_rate"] == {} and out["ttft_p50_s"] == {}  # keyed by policy; no replay in this mode
+    assert out["index_events_per_s"] > 0 and out["decision_p99_ms"] > 0
+
+
+def test_kv_pool_contract():
+    # one two-turn conversation, turns on different workers (round_robin), so the second loads from the pool
+    out = last_json(["benchmarks/kv_pool.py", "--json", "--no-save", "--conversations", "1", "--max-input-len", "128",
+                     "--max-output-len", "2", "--time-scale", "0.5", "--routing", "round_robin", "--prefill-reps", "1",
+                     "--redis-blocks", "8"])
+    assert set(out["ttft_p50_s"]) == {"pool", "no_pool"} and all(v > 0 for v in out["ttft_p50_s"].values())
+    assert out["tokens_loaded"]["pool"] > 0 and out["tokens_loaded"]["no_pool"] == 0
+    assert out["tokens_computed"]["pool"] + out["tokens_loaded"]["pool"] <= out["prompt_tokens"]["pool"]
+    assert out["tokens_computed"]["no_pool"] > out["tokens_computed"]["pool"]
+    assert out["pool_read_gbps"] > 0 and out["redis_get_gbps"] > 0 and out["load_ms_per_1k_tokens"] > 0
+    assert out["failed"] == {"pool": 0, "no_pool": 0}

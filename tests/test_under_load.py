@@ -95,7 +95,8 @@ def test_an_idle_cluster_uses_under_3_percent_of_a_core_per_process():
 
 
 def test_overload_with_a_cpu_hog_no_503_no_flaps_no_leaks(tmp_path):
-    path = cluster_file(tmp_path, **{"router.maxInflight": 16, "router.maxQueue": 24})
+    # 6 in flight + 6 queued: the other 36 of the 48 must be refused with 429 at once (admission), not 503
+    path = cluster_file(tmp_path, **{"router.maxInflight": 6, "router.maxQueue": 6})
     up = Up("-f", str(path))
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -114,7 +115,7 @@ def test_overload_with_a_cpu_hog_no_503_no_flaps_no_leaks(tmp_path):
                 return await asyncio.gather(*(one(client, p) for p in prompts))
 
         statuses = asyncio.run(main())
-        assert set(statuses) <= {200, 429} and statuses.count(200) >= 16, statuses
+        assert set(statuses) <= {200, 429} and statuses.count(200) >= 12, statuses
         with urllib.request.urlopen(up.url + "/metrics", timeout=10) as r:
             gateway = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                        for line in r.read().decode().splitlines() if line and not line.startswith("#")}
