@@ -41,11 +41,16 @@ def test_routing_micro_contract():
     assert out["index_events_per_s"] > 0 and out["decision_p99_ms"] > 0
 
 
-def test_kv_pool_contract():
-    # one two-turn conversation, turns on different workers (round_robin), so the second loads from the pool
-    out = last_json(["benchmarks/kv_pool.py", "--json", "--no-save", "--conversations", "1", "--max-input-len", "128",
-                     "--max-output-len", "2", "--time-scale", "0.5", "--routing", "round_robin", "--prefill-reps", "1",
-                     "--redis-blocks", "8"])
+def test_kv_pool_contract(tmp_path):
+    # one two-turn conversation in the Mooncake trace format (its own file: the shared traces need not be here),
+    # turns on different workers (round_robin), so the second turn loads the first's blocks from the pool
+    trace = tmp_path / "two_turns.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [7, 8]}) + "\n"
+                     + json.dumps({"timestamp": 3000, "input_length": 1100, "output_length": 2,
+                                   "hash_ids": [7, 8, 9]}) + "\n")
+    out = last_json(["benchmarks/kv_pool.py", "--json", "--no-save", "--trace", str(trace), "--window-start", "0",
+                     "--window-seconds", "60", "--sample", "1", "--max-input-len", "128", "--max-output-len", "2",
+                     "--time-scale", "0.5", "--routing", "round_robin", "--prefill-reps", "1", "--redis-blocks", "8"])
     assert set(out["ttft_p50_s"]) == {"pool", "no_pool"} and all(v > 0 for v in out["ttft_p50_s"].values())
     assert out["tokens_loaded"]["pool"] > 0 and out["tokens_loaded"]["no_pool"] == 0
     assert out["tokens_computed"]["pool"] + out["tokens_loaded"]["pool"] <= out["prompt_tokens"]["pool"]

@@ -162,7 +162,9 @@ def test_a_huge_request_never_stalls_health():
         finally:
             stop.set()
             t.join()
-        assert len(latencies) > 10 and max(latencies) < 0.1, sorted(latencies)[-5:]
+        # parsing or tokenizing 11 MB on the event loop would stall /health for seconds; 0.3 s leaves room for a
+        # busy machine's scheduling hiccups
+        assert len(latencies) > 10 and max(latencies) < 0.3, sorted(latencies)[-5:]
     finally:
         assert up.stop() == 0
 
