@@ -95,8 +95,7 @@ class DecodeService:
         stream: AsyncIterator[RequestOutput] | None = None
         remote = False
         if peer is not None and len(prompt) >= self.threshold:
-            stream = await self._remote(rid, prompt, params, req.priority, peer)
-            remote = stream is not None
+            stream, remote = await self._remote(rid, prompt, params, req.priority, peer)
         elif peer is not None or (self._has_peers() and not req.prefill_worker):
             LOCAL_PREFILL.labels("short_prompt" if peer is not None else "no_prefill_worker").inc()
         if stream is None:
@@ -112,18 +111,19 @@ class DecodeService:
                                        out.finish_reason or "error").inc()
             yield _to_pb(out, remote)
 
-    async def _remote(self, rid, prompt, params, priority, peer) -> AsyncIterator[RequestOutput] | None:
-        """Remote prefill; None means prefill locally (the reason is counted)."""
+    async def _remote(self, rid, prompt, params, priority, peer) -> tuple[AsyncIterator[RequestOutput] | None, bool]:
+        """Remote prefill: (its stream, True); (the local fallback's stream, False) when the transfer failed;
+        (None, False) means prefill locally (the reason is counted)."""
         reserved = await self.engine.reserve_remote(rid, prompt, params, priority)
         if reserved is None:
             LOCAL_PREFILL.labels("no_free_blocks").inc()
-            return None
+            return None, False
         block_ids, cached = reserved
         bs = self.engine.kv_spec.block_size
         if len(prompt) - cached < self.threshold:
             await self.engine.abort(rid)
             LOCAL_PREFILL.labels("short_prompt").inc()
-            return None
+            return None, False
         ticket = self.agent.expect(rid, block_ids, skip_blocks=cached // bs, timeout_s=self.transfer_timeout)
         call = self._stub(peer).Prefill(pb.PrefillRequest(
             protocol_version=PROTOCOL_VERSION, request_id=rid, prompt_token_ids=prompt,
@@ -148,12 +148,12 @@ class DecodeService:
             if peer not in self._warned:
                 log.warning("remote prefill on %s failed (%s); prefilling locally", peer, reason)
                 self._warned.add(peer)
-            return self._local_after_fallback(rid, prompt, params, priority)
+            return self._local_after_fallback(rid, prompt, params, priority), False
         self.agent.forget(rid)
         self._warned.discard(peer)
         REMOTE_PREFILL.labels("ok").inc()
         lp = logprob_from_pb(resp.first_logprob) if resp.has_logprob else None
-        return self.engine.stream_remote(rid, resp.first_token_id, lp)
+        return self.engine.stream_remote(rid, resp.first_token_id, lp), True
 
     async def _free_after(self, rid: str, call) -> None:
         """Free a failed reservation once the prefill call is over (a late write can no longer land)."""

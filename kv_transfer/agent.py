@@ -339,12 +339,16 @@ class KVTransferAgent:
             except queue.Empty:
                 # keep in-flight writes progressing between layers; only this thread posts writes, so once
                 # none remain nothing changes until the next job
-                busy = any([session._poll() for session in list(self._active)])  # a list: poll every one
+                busy = self.poll_sends()
                 continue
             if job is None:
                 return
             job()
             busy = bool(self._active)  # the job may have posted writes: the next poll tells
+
+    def poll_sends(self) -> bool:
+        """Progress every session's in-flight writes (on the sender thread); True while some remain."""
+        return any([session._poll() for session in list(self._active)])  # a list: poll every one
 
     def close(self) -> None:
         if self._closed:

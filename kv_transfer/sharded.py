@@ -180,6 +180,8 @@ class ShardedReceiver:
         self.agent.close()
 
     def _cancel_followers(self, request_id: str, ranks: set[int]) -> None:
+        with self._lock:  # the link threads discard from `ranks` as the ranks report
+            ranks = set(ranks)
         for r in sorted(ranks):
             try:
                 self.links[r - 1].send({"op": OP_CANCEL, "rid": request_id})
