@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from splitserve.common.proc import die_with_parent, free_port
+from splitserve.common.proc import die_with, free_port
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.loading import build_runner, rank_device
 from splitserve.engine.parallel import KVShard, ParallelContext, init_parallel, replicate_kv_heads
@@ -79,8 +79,11 @@ def start_followers(config: EngineConfig, device: torch.device
         ours, theirs = socket.socketpair()
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "splitserve.engine.parallel_worker", "--rank", str(r), "--world-size", str(world),
-             "--init-method", init_method, "--config", config.to_json(), "--link-fd", str(theirs.fileno())],
-            stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), preexec_fn=die_with_parent))
+             "--init-method", init_method, "--config", config.to_json(), "--link-fd", str(theirs.fileno()),
+             "--parent-pid", str(os.getpid())],
+            # no preexec_fn: rank 0 runs gRPC threads, and Python between fork and exec can deadlock or abort
+            # in the child (gRPC's fork handlers); the follower sets its parent-death signal itself
+            stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),)))
         theirs.close()
         links.append(RankLink(ours, f"rank {r}").start())
     joined: dict[str, object] = {}
@@ -174,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init-method", required=True)
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--link-fd", type=int, default=None, help="this end of the socket pair to rank 0")
+    ap.add_argument("--parent-pid", type=int, default=None, help="rank 0's pid: exit when it dies")
     args = ap.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with(args.parent_pid)
     setup_logging()
     try:
         follower_main(args.rank, args.world_size, args.init_method, EngineConfig.from_json(args.config),

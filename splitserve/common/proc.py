@@ -30,6 +30,15 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def die_with(parent_pid: int) -> None:
+    """The child's own half of `die_with_parent`, for children of a process with threads (a gRPC server): there
+    no Python may run between fork and exec, so no preexec_fn. SIGTERM when the parent dies; exit at once if it
+    already has."""
+    die_with_parent()
+    if os.getppid() != parent_pid:
+        raise SystemExit(f"parent {parent_pid} is gone")
+
+
 class ChildDied(RuntimeError):
     """A watched child process exited (or closed its output) while we waited on it."""
 
