@@ -63,14 +63,7 @@ class Up:
 
     def metrics(self, role: str, index: int = 0) -> dict[str, float]:
         """A worker's /metrics as {'name{labels}': value}."""
-        with urllib.request.urlopen(self.components[role][index]["metrics"] + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return scrape(self.components[role][index]["metrics"])
 
     def stats(self, role: str, index: int = 0) -> dict:
         with urllib.request.urlopen(self.components[role][index]["metrics"] + "/stats", timeout=10) as r:
@@ -85,6 +78,18 @@ class Up:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def scrape(url: str) -> dict[str, float]:
+    """`url`/metrics (a worker, a gateway, the autoscaler) as {'name{labels}': value}."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
 
 
 def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from serving import Up, metric_sum
+from serving import Up, metric_sum, scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("alpha", "river", "copper", "violet", "harbor", "signal", "meadow", "quartz", "lantern", "orbit",
@@ -41,17 +41,6 @@ def cluster_file(tmp_path: Path) -> Path:
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def wait_for(check, timeout: float, what: str) -> float:

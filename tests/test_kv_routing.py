@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from redis_server import RedisCluster, RedisServer
-from serving import Up, free_port, metric_sum
+from serving import Up, free_port, metric_sum, scrape
 
 SHARED = [random.Random(7).randrange(1000, 30000) for _ in range(400)]  # a long shared prefix (25 blocks)
 
@@ -31,12 +31,7 @@ def health(url: str) -> dict:
 
 
 def gateway_metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+    return scrape(url)
 
 
 def complete(url: str, tokens: list[int], **kw) -> httpx.Response:

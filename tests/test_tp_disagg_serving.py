@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import make_random_model
-from serving import metric_sum
+from serving import metric_sum, scrape
 
 from splitserve.common.proc import free_port
 from splitserve.common.protocol import PROTOCOL_VERSION
@@ -76,10 +76,7 @@ class Worker:
         raise TimeoutError("worker not ready")
 
     def metric(self, name: str, **labels: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.mport}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        return metric_sum({k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines()
-                                                        if line and not line.startswith("#"))}, name, **labels)
+        return metric_sum(scrape(f"http://127.0.0.1:{self.mport}"), name, **labels)
 
     def followers(self) -> list[int]:
         out = subprocess.run(["pgrep", "-f", "--parent", str(self.proc.pid), "splitserve.engine.parallel_worker"],
