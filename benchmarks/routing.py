@@ -26,7 +26,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from splitserve.common.proc import free_port
 from splitserve.common.redis_wire import KVEventRecord
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.policy import KVAware, RequestFeatures, WorkerLoad
@@ -103,12 +103,6 @@ def slice_stats(rows: list[dict], max_input: int) -> dict[str, Any]:
 
 
 # -- processes -------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_json(url: str, timeout: float = 10.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())

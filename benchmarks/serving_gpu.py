@@ -30,7 +30,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from splitserve.common.proc import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
@@ -68,12 +69,6 @@ CONFIGS = {"1p1d": (1, 1), "1p3d": (1, 3), "2p2d": (2, 2)}  # (prefill workers, 
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
              "PYTHONUNBUFFERED": "1"}
 START_S = 900.0  # seconds for a cluster to become ready (imports, dummy weights, CUDA graphs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_dir(shape: str, root: Path) -> Path:
