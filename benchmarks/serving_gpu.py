@@ -5,14 +5,18 @@ Parts (--parts):
   transfer  layer-wise KV transfer of an 8B-shaped 3k-token prompt between two GPUs (NIXL) against a torch
             peer copy measured in the same run (`benchmarks/kv_transfer.py`): transfer_gbps, p2p_copy_gbps
   handover  on an idle system, TTFT(disaggregated 1P+1D) - TTFT(colocated) for --handover-len-token prompts,
-            one at a time, and the decode step (inter-token latency at batch 1): handover_ms, decode_step_ms
+            one at a time, and the decode step (inter-token latency at batch 1): handover_ms, decode_step_ms;
+            where the disaggregated time goes, as the workers' stage histograms' means over the same requests
+            (splitserve_handover_stage_seconds, splitserve_prefill_stage_seconds): handover_stages_ms
   goodput   per-GPU goodput (requests/s meeting --slo-ttft and --slo-itl, over the GPUs used) of each
             configuration's disaggregated and colocated clusters on two trace slices replayed at a fixed rate:
             Azure conversation (azure_conv) and Azure code, the prefill-heavy one (azure_code)
   burst     prefill throughput through the serving stack: prompts sent at once to 1P+1D and to one colocated
             worker with the prefill worker's chunk budget, against the engine's own prefill rate
   moe       an MoE shape (Qwen3-30B-A3B): prefill TP=1 streaming into decode TP=2 with expert parallelism,
-            decode tokens/s at batch --moe-batch, against a colocated TP=2 EP worker (the same requests)
+            decode tokens/s at batch --moe-batch, against a colocated TP=2 EP worker (the same requests).
+            3 GPUs (prefill on 0, decode on 1-2), or 2 with --moe-share-gpu (prefill and decode rank 0 share
+            GPU 0, with explicit KV sizes: --moe-prefill-kv-cache-memory, --moe-decode-kv-cache-memory)
 Configurations (--configs): 1p1d (2 GPUs; against 2 colocated), 1p3d and 2p2d (4 GPUs; against 4 colocated).
 
 The model's tokenizer is a synthetic word-level one with the model's vocabulary size (every id decodes to a
@@ -69,6 +73,8 @@ CONFIGS = {"1p1d": (1, 1), "1p3d": (1, 3), "2p2d": (2, 2)}  # (prefill workers, 
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
              "PYTHONUNBUFFERED": "1"}
 START_S = 900.0  # seconds for a cluster to become ready (imports, dummy weights, CUDA graphs)
+# the handover's stage histograms, per worker role (docs/architecture.md, "The handover, stage by stage")
+STAGE_METRICS = {"decode": "splitserve_handover_stage_seconds", "prefill": "splitserve_prefill_stage_seconds"}
 
 
 def model_dir(shape: str, root: Path) -> Path:
@@ -101,6 +107,7 @@ class Cluster:
         planned = [(role, gpus, extra, free_port(), free_port()) for role, gpus, extra in workers]
         prefill = [f"127.0.0.1:{p}" for role, _, _, p, _ in planned if role == "prefill"]
         self.metrics_urls = [f"http://127.0.0.1:{m}" for role, _, _, _, m in planned if role != "prefill"]
+        self.prefill_metrics_urls = [f"http://127.0.0.1:{m}" for role, _, _, _, m in planned if role == "prefill"]
         decode = [f"127.0.0.1:{p}" for role, _, _, p, _ in planned if role != "prefill"]
         for i, (role, gpus, extra, port, mport) in enumerate(planned):
             cmd = [exe, "worker", "--role", role, *common, "--load-format", "dummy", "--device", args.device,
@@ -139,14 +146,12 @@ class Cluster:
 
     def counters(self) -> dict[str, float]:
         """Where the decode workers' prompts were prefilled: remote (ok / failed) and local (by reason)."""
-        out: dict[str, float] = {}
-        for url in self.metrics_urls:
-            with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-                for line in r.read().decode().splitlines():
-                    if line.startswith(("splitserve_remote_prefill_total", "splitserve_local_prefill_total")):
-                        key, _, value = line.rpartition(" ")
-                        out[key] = out.get(key, 0.0) + float(value)
-        return out
+        return _scrape(self.metrics_urls, ("splitserve_remote_prefill_total", "splitserve_local_prefill_total"))
+
+    def stage_totals(self) -> dict[str, float]:
+        """The handover's stage histograms' counts and sums, decode and prefill workers summed."""
+        return _scrape(self.metrics_urls + self.prefill_metrics_urls,
+                       tuple(f"{name}_{part}" for name in STAGE_METRICS.values() for part in ("count", "sum")))
 
     def kv_transports(self) -> list[str]:
         """What each worker's KV agent chose ("kv transport: nixl ..." in its log): auto falls back to tcp."""
@@ -182,6 +187,40 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _scrape(urls: list[str], prefixes: tuple[str, ...]) -> dict[str, float]:
+    """The samples of /metrics whose name starts with one of `prefixes`, {'name{labels}': value} summed over
+    `urls`."""
+    out: dict[str, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(prefixes):
+                    key, _, value = line.rpartition(" ")
+                    out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def stage_means_ms(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Mean milliseconds per stage between two `Cluster.stage_totals`, per role, in the workers' stage order;
+    `rpc_hops`: the decode worker's `prefill` stage less the prefill worker's stages (the gRPC round trip)."""
+    out: dict = {}
+    for role, name in STAGE_METRICS.items():
+        stages = {}
+        for key, count in after.items():
+            if key.startswith(f"{name}_count{{"):
+                stage = key.split('stage="', 1)[1].split('"', 1)[0]
+                n = count - before.get(key, 0.0)
+                total = after[key.replace("_count{", "_sum{")] - before.get(key.replace("_count{", "_sum{"), 0.0)
+                stages[stage] = round(1e3 * total / n, 3) if n else None
+        out[role] = stages
+    dec, pre = out["decode"], out["prefill"]
+    admitted = f'{STAGE_METRICS["decode"]}_count{{stage="admit"}}'
+    out["requests"] = int(after.get(admitted, 0.0) - before.get(admitted, 0.0))
+    if dec.get("prefill") is not None and pre and None not in pre.values():
+        out["rpc_hops"] = round(dec["prefill"] - sum(pre.values()), 3)
+    return out
 
 
 def worker_args(args, role: str) -> list[str]:
@@ -309,7 +348,8 @@ def part_serving(args, model: Path, logs: Path, want_handover: bool, want_goodpu
                                "ttft_disagg_ms": d["ttft_ms"], "ttft_colocated_ms": c["ttft_ms"],
                                "itl_disagg_ms": d["itl_ms"], "itl_colocated_ms": c["itl_ms"],
                                "ttft_disagg_all_ms": d["ttft_all_ms"], "ttft_colocated_all_ms": c["ttft_all_ms"],
-                               "handover_ms": d["ttft_ms"] - c["ttft_ms"], "decode_step_ms": d["itl_ms"]}
+                               "handover_ms": d["ttft_ms"] - c["ttft_ms"], "decode_step_ms": d["itl_ms"],
+                               "stages_ms": d.get("stages_ms")}
         runs.get("colocated", {}).pop("handover", None)
         if traces:
             out["goodput_per_gpu"][key] = _per_gpu(runs, traces, gpus)
@@ -327,7 +367,10 @@ def _measure_cluster(args, model: Path, logs: Path, key: str, mode: str, workers
         asyncio.run(_sequential(c.url, args.shape, warm, 4))
         res["kv_transports"] = c.kv_transports()
         if want_handover:
+            before = c.stage_totals() if mode == "disagg" else None
             res["handover"] = handover(c.url, args)
+            if before is not None:  # where the disaggregated TTFT went, over the same requests
+                res["handover"]["stages_ms"] = stage_means_ms(before, c.stage_totals())
             after_run()
         for trace, trace_rates in rates.items():
             for rate in trace_rates:
@@ -399,38 +442,59 @@ def part_burst(args, model: Path, logs: Path) -> dict:
     return out
 
 
+def moe_placement(args) -> tuple[list[int], list[int], bool]:
+    """(prefill GPUs, decode GPUs, whether the prefill worker shares GPU 0 with decode rank 0)."""
+    if args.moe_share_gpu:  # 2 GPUs: the prefill worker beside decode rank 0 on GPU 0
+        return [0], [0, 1], True
+    dec_gpus = [1, 2] if args.gpus >= 3 else [0, 1]  # CPU dry run: the prefill worker shares "GPU" 0
+    if args.moe_decode_tp == 1:  # the diagnosis: the same run with no sharding (prefill TP=1 into decode TP=1)
+        dec_gpus = dec_gpus[1:]
+    return [0], dec_gpus, 0 in dec_gpus
+
+
+def moe_kv(args) -> tuple[str, str]:
+    """KV cache memory of the prefill worker and of each decode rank (and colocated rank)."""
+    shared = ("10GiB", "16GiB") if args.moe_share_gpu else (args.moe_kv_cache_memory, args.moe_kv_cache_memory)
+    return args.moe_prefill_kv_cache_memory or shared[0], args.moe_decode_kv_cache_memory or shared[1]
+
+
 def part_moe(args, logs: Path) -> dict:
     """Qwen3-30B-A3B shape: decode tokens/s at batch --moe-batch, disaggregated (prefill TP=1 into decode TP=2
-    with expert parallelism) against colocated TP=2 EP; both measured as batch / median inter-token latency
-    while every request decodes (the prompts are short next to the outputs)."""
+    with expert parallelism) against colocated TP=2 EP on the decode GPUs (the same requests, sent at once).
+    Tokens/s is counted in the window where every request is decoding: from the last first token (every
+    prefill done) to the first last token. With --moe-share-gpu the prefill worker and decode rank 0 share
+    GPU 0, each with an explicit KV size, so the part runs on 2 GPUs."""
     shape = "qwen3_30b_a3b" if args.device == "cuda" else "tiny"
     sub = argparse.Namespace(**{**vars(args), "shape": shape})
     model = model_dir(shape, Path(tempfile.mkdtemp(prefix="splitserve-moe-")))
-    n_gpus = args.gpus
-    pre_gpu = [0]
-    if args.device == "cuda" and n_gpus < 3:
-        # a 30B prefill worker (~115 GiB with its KV and workspace on an H200) leaves no room for a decode rank
-        raise RuntimeError(f"moe needs 3 GPUs (prefill on one, decode TP=2 on two), {n_gpus} visible")
-    dec_gpus = [1, 2] if n_gpus >= 3 else [0, 1]  # CPU dry run: the prefill worker shares "GPU" 0
-    if args.moe_decode_tp == 1:  # the diagnosis: the same run with no sharding (prefill TP=1 into decode TP=1)
-        dec_gpus = dec_gpus[1:]
+    pre_gpu, dec_gpus, shared = moe_placement(args)
     ep = ["--expert-parallel"] if len(dec_gpus) > 1 else []
-    kv = args.moe_kv_cache_memory
-    flags = ["--max-num-seqs", str(max(args.moe_batch, 8)), "--kv-cache-memory", kv]
-    out: dict = {"batch": args.moe_batch, "prefill_gpus": pre_gpu, "decode_gpus": dec_gpus}
+    pre_kv, dec_kv = moe_kv(args)
+    seqs = ["--max-num-seqs", str(max(args.moe_batch, 8))]
+    out: dict = {"shape": shape, "batch": args.moe_batch, "prompt_tokens": args.moe_input,
+                 "output_tokens": args.moe_output, "prefill_gpus": pre_gpu, "decode_gpus": dec_gpus,
+                 "colocated_gpus": dec_gpus, "prefill_shares_gpu0_with_decode_rank0": shared,
+                 "kv_cache_memory": {"prefill": pre_kv, "decode_per_rank": dec_kv, "colocated_per_rank": dec_kv}}
     prompts = _prompts(args.moe_batch, args.moe_input, SHAPES[shape]["vocab_size"], 4)
-    for mode, workers in (("disagg", [("prefill", pre_gpu, flags + ["--max-num-batched-tokens", "8192"]),
-                                      ("decode", dec_gpus, flags + ep)]),
-                          ("colocated", [("both", dec_gpus, flags + ep)])):
+    for mode, workers in (("disagg", [("prefill", pre_gpu, seqs + ["--kv-cache-memory", pre_kv,
+                                                                   "--max-num-batched-tokens", "8192"]),
+                                      ("decode", dec_gpus, seqs + ["--kv-cache-memory", dec_kv] + ep)]),
+                          ("colocated", [("both", dec_gpus, seqs + ["--kv-cache-memory", dec_kv] + ep)])):
         sub.disagg_threshold = min(args.disagg_threshold, args.moe_input)
         with Cluster(sub, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
                      f"moe-{mode}") as c:
             asyncio.run(_sequential(c.url, shape, _prompts(2, args.moe_input, SHAPES[shape]["vocab_size"], 5), 4))
-            before = c.counters()
+            before, stages_before = c.counters(), c.stage_totals()
             res = asyncio.run(_concurrent(c.url, shape, prompts, args.moe_output))
-            after = c.counters()
-        out[f"{mode}_prefill_counters"] = {k: after[k] - before.get(k, 0.0) for k in after
-                                           if after[k] != before.get(k, 0.0)}
+            after, stages_after = c.counters(), c.stage_totals()
+        counters = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+        out[f"{mode}_prefill_counters"] = counters
+        if mode == "disagg":  # of the batch's requests: KV streamed in, or prefilled on the decode worker
+            out["disagg_remote_prefilled"] = int(counters.get('splitserve_remote_prefill_total{outcome="ok"}', 0))
+            out["disagg_fell_back"] = int(counters.get('splitserve_local_prefill_total{reason="fallback"}', 0))
+            out["disagg_prefilled_locally"] = int(sum(v for k, v in counters.items()
+                                                      if k.startswith("splitserve_local_prefill_total")))
+            out["disagg_handover_stages_ms"] = stage_means_ms(stages_before, stages_after)
         ok = [r for _, r in res if r.ok]
         if len(ok) < len(res):
             raise RuntimeError(f"moe {mode}: {len(res) - len(ok)} requests failed: {res[0][1].error}")
@@ -442,8 +506,8 @@ def part_moe(args, logs: Path) -> dict:
         out[f"{mode}_decode_tok_s"] = n / (hi - lo) if hi > lo else None
         out[f"{mode}_step_ms"] = 1e3 * (hi - lo) / (n / len(res)) if hi > lo and n else None
         out[f"{mode}_ttft_p50_ms"] = statistics.median(r.ttft for r in ok) * 1e3
-        print(f"[moe {mode}] {out[f'{mode}_decode_tok_s']} tok/s over a {hi - lo:.2f} s window "
-              f"{out[f'{mode}_prefill_counters']}", file=sys.stderr, flush=True)
+        print(f"[moe {mode}] {out[f'{mode}_decode_tok_s']} tok/s over a {hi - lo:.2f} s window, TTFT p50 "
+              f"{out[f'{mode}_ttft_p50_ms']:.0f} ms {counters}", file=sys.stderr, flush=True)
     return out
 
 
@@ -460,6 +524,39 @@ async def _concurrent(url: str, model: str, prompts: list[list[int]], max_tokens
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         return await asyncio.gather(*(timed(client, p) for p in prompts))
+
+
+PARTS = ("transfer", "handover", "goodput", "burst", "moe")
+
+
+def check_args(args, parts: list[str]) -> str | None:
+    """What is wrong with the command line, in one line (None: nothing)."""
+    from splitserve.common.config import EngineSpec
+
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        return f"--parts: unknown {','.join(unknown)} (choose from {','.join(PARTS)})"
+    bad = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if bad:
+        return f"--configs: unknown {','.join(bad)} (choose from {','.join(CONFIGS)})"
+    moe_flags = [name for name, value in (("--moe-share-gpu", args.moe_share_gpu),
+                                          ("--moe-prefill-kv-cache-memory", args.moe_prefill_kv_cache_memory),
+                                          ("--moe-decode-kv-cache-memory", args.moe_decode_kv_cache_memory))
+                 if value]
+    if moe_flags and "moe" not in parts:
+        return f"{moe_flags[0]} applies to the moe part only: add moe to --parts"
+    if args.moe_share_gpu and args.moe_decode_tp != 2:
+        return "--moe-share-gpu places decode TP=2 on GPUs 0-1 beside the prefill worker; --moe-decode-tp 1 " \
+               "shares nothing (leave out --moe-share-gpu)"
+    for flag in ("kv_cache_memory", "moe_kv_cache_memory", "moe_prefill_kv_cache_memory",
+                 "moe_decode_kv_cache_memory"):
+        value = getattr(args, flag)
+        if value is not None:
+            try:
+                EngineSpec(kv_cache_memory=value)
+            except ValueError:
+                return f"--{flag.replace('_', '-')}: {value!r} is not a size (16GiB), a fraction (0.9) or auto"
+    return None
 
 
 def main() -> None:
@@ -498,7 +595,16 @@ def main() -> None:
     ap.add_argument("--moe-output", type=int, default=256)
     ap.add_argument("--moe-decode-tp", type=int, choices=[1, 2], default=2,
                     help="decode TP (EP when 2); 1 runs the same requests with no KV sharding, for comparison")
-    ap.add_argument("--moe-kv-cache-memory", default="12GiB")
+    ap.add_argument("--moe-kv-cache-memory", default="12GiB", help="KV cache memory of each MoE worker (rank)")
+    ap.add_argument("--moe-share-gpu", action="store_true",
+                    help="2 GPUs: the MoE prefill worker on GPU 0 beside decode rank 0 (decode TP=2 EP on GPUs "
+                         "0-1); KV sizes default to 10GiB (prefill) and 16GiB (each decode rank)")
+    ap.add_argument("--moe-prefill-kv-cache-memory", default=None,
+                    help="KV cache memory of the MoE prefill worker (default: --moe-kv-cache-memory, or 10GiB "
+                         "with --moe-share-gpu)")
+    ap.add_argument("--moe-decode-kv-cache-memory", default=None,
+                    help="KV cache memory of each MoE decode rank and colocated rank (default: "
+                         "--moe-kv-cache-memory, or 16GiB with --moe-share-gpu)")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs on this host (default: all visible)")
     ap.add_argument("--tag", default=None, help="file name part (default: the GPU name and count)")
     ap.add_argument("--out", default=None)
@@ -506,6 +612,10 @@ def main() -> None:
     ap.add_argument("--logs", default=None, help="directory for the processes' logs")
     ap.add_argument("--partial", default=None, help="write what is measured so far to this file as it comes")
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    problem = check_args(args, parts)
+    if problem:
+        sys.exit(f"serving_gpu: {problem}")
 
     import torch
 
@@ -520,6 +630,9 @@ def main() -> None:
     need = max(sum(CONFIGS[c]) for c in args.configs.split(",")) if "goodput" in args.parts else 2
     if args.gpus < need:
         sys.exit(f"serving_gpu: the parts asked for need {need} GPUs, {args.gpus} are visible")
+    if "moe" in parts and args.device == "cuda" and not args.moe_share_gpu and args.gpus < 3:
+        sys.exit(f"serving_gpu: --parts moe needs 3 GPUs (prefill on one, decode on two), {args.gpus} are "
+                 f"visible: add --moe-share-gpu to place the prefill worker beside decode rank 0")
     logs = Path(args.logs or tempfile.mkdtemp(prefix="splitserve-serving-gpu-"))
     logs.mkdir(parents=True, exist_ok=True)
     model = model_dir(args.shape, Path(tempfile.mkdtemp(prefix="splitserve-model-")))
@@ -528,7 +641,6 @@ def main() -> None:
                     "settings": {k: getattr(args, k) for k in ("prefill_budget", "decode_budget", "colocated_budget",
                                                                "kv_cache_memory", "max_num_seqs", "duration",
                                                                "rates", "kv_transport", "disagg_threshold")}}
-    parts = args.parts.split(",")
     t0 = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: unwind, so the clusters are stopped
     if "transfer" in parts:
@@ -544,6 +656,7 @@ def main() -> None:
             result["handover"] = serving["handover"]
             result["handover_ms"] = serving["handover"]["handover_ms"]
             result["decode_step_ms"] = serving["handover"]["decode_step_ms"]
+            result["handover_stages_ms"] = serving["handover"]["stages_ms"]
         if "goodput" in parts:
             result["goodput_per_gpu"], result["goodput_runs"] = serving["goodput_per_gpu"], serving["goodput_runs"]
         save_partial(args, result)
@@ -573,14 +686,28 @@ def main() -> None:
     print(json.dumps(result))
 
 
+def _f(x, d=2) -> str:
+    return "-" if x is None else f"{x:.{d}f}"
+
+
+def print_stages(title: str, stages: dict | None) -> None:
+    """Mean ms per stage, one line per role, in the workers' stage order."""
+    if not stages:
+        return
+    print(f"{title} (mean ms over {stages.get('requests', 0):.0f} remote prefills):")
+    for role in STAGE_METRICS:
+        print(f"  {role:<8}" + "  ".join(f"{k} {_f(v, 3)}" for k, v in (stages.get(role) or {}).items()))
+    print(f"  rpc hops {_f(stages.get('rpc_hops'), 3)} (decode's prefill stage less the prefill worker's stages)")
+
+
 def print_table(r: dict) -> None:
-    def f(x, d=2):
-        return "-" if x is None else f"{x:.{d}f}"
+    f = _f
 
     print(f"gpu={r.get('gpu')} x{r.get('gpus')} shape={r.get('shape')}")
     print(f"transfer {f(r.get('transfer_gbps'))} GB/s layer-wise (whole {f(r.get('transfer_whole_gbps'))}) vs "
           f"peer copy {f(r.get('p2p_copy_gbps'))} GB/s; tail after last layer {f(r.get('transfer_tail_ms'))} ms")
     print(f"handover {f(r.get('handover_ms'))} ms vs decode step {f(r.get('decode_step_ms'))} ms")
+    print_stages("handover stages", r.get("handover_stages_ms"))
     for config, traces in (r.get("goodput_per_gpu") or {}).items():
         for trace, v in traces.items():
             d, c = v.get("disagg"), v.get("colocated")
@@ -592,8 +719,15 @@ def print_table(r: dict) -> None:
             print(f"burst prefill {mode}: {f(burst[mode].get('prefill_tok_s'), 0)} tokens/s")
     moe = r.get("moe")
     if moe and "batch" in moe:
+        placement = "prefill beside decode rank 0 on GPU 0" if moe.get("prefill_shares_gpu0_with_decode_rank0") \
+            else f"prefill on GPU {moe.get('prefill_gpus')}"
         print(f"moe decode tok/s at batch {moe['batch']}: disagg {f(moe.get('disagg_decode_tok_s'), 0)} "
-              f"colocated {f(moe.get('colocated_decode_tok_s'), 0)}")
+              f"colocated EP on GPUs {moe.get('colocated_gpus')} {f(moe.get('colocated_decode_tok_s'), 0)} "
+              f"({placement})")
+        print(f"moe TTFT p50 ms: disagg {f(moe.get('disagg_ttft_p50_ms'), 0)} colocated "
+              f"{f(moe.get('colocated_ttft_p50_ms'), 0)}; remote prefills {moe.get('disagg_remote_prefilled')} of "
+              f"{moe['batch']}, fell back {moe.get('disagg_fell_back')}")
+        print_stages("moe handover stages", moe.get("disagg_handover_stages_ms"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,12 @@ import logging
 
 from splitserve.common.config import ClusterSpec
 from splitserve.common.worker_context import WorkerContext
-from splitserve.decode_worker.metrics import LOCAL_PREFILL, LOCAL_PREFILL_REASONS
+from splitserve.decode_worker.metrics import (
+    HANDOVER_STAGE,
+    HANDOVER_STAGES,
+    LOCAL_PREFILL,
+    LOCAL_PREFILL_REASONS,
+)
 from splitserve.decode_worker.service import DecodeService
 from splitserve.engine.interface import ServingEngine
 from splitserve.kv_transfer import metrics as kv_metrics
@@ -26,6 +31,8 @@ async def build(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext) ->
     kv_metrics.BYTES.labels("recv", agent.backend.name)
     for reason in LOCAL_PREFILL_REASONS:  # every series from the start, so dashboards see them
         LOCAL_PREFILL.labels(reason)
+    for stage in HANDOVER_STAGES:  # only a decode worker hands over (a colocated one lists none)
+        HANDOVER_STAGE.labels(stage)
     return DecodeService(engine, agent, ctx.membership, spec.decode.disagg_threshold,
                          spec.kv_transfer.timeout_seconds, make_pool(spec, engine, ctx, "decode"))
 

@@ -1,9 +1,52 @@
-"""A decode worker's own metrics: where each prompt's KV came from."""
+"""A decode worker's own metrics: where each prompt's KV came from, and how long each stage of a remote
+prefill's handover took (the control path between a Generate call and its first decoded token)."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Histogram
 
 LOCAL_PREFILL = Counter("splitserve_local_prefill", "Prompts the decode worker prefilled itself", ["reason"])
 REMOTE_PREFILL = Counter("splitserve_remote_prefill", "Prompts whose KV came from a prefill worker", ["outcome"])
 LOCAL_PREFILL_REASONS = ("short_prompt", "fallback", "no_prefill_worker", "no_free_blocks", "unknown_prefill_worker")
+
+# seconds; from 0.1 ms: most stages of an idle handover are well under a millisecond
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                 2.5, 5, 10, 30)
+HANDOVER_STAGE = Histogram(
+    "splitserve_handover_stage_seconds",
+    "Time a remotely prefilled request spent in each stage of its handover on the decode worker",
+    ["stage"], buckets=STAGE_BUCKETS)
+# in order: each stage ends at the mark named beside it
+HANDOVER_STAGES = (
+    "reserve",       # Generate received -> KV blocks reserved
+    "ticket",        # -> Prefill RPC issued (ticket expected by the KV agent)
+    "prefill",       # -> Prefill reply received (the prefill worker's whole time and the gRPC hop)
+    "kv_wait",       # -> KV landed (the transfer's tail exposed after the reply; ~0 when it landed first)
+    "admit",         # -> admitted in the engine, first token out
+    "first_decode",  # -> first decoded token out (the second output token; only requests that decode)
+)
+
+
+@dataclass
+class HandoverTimeline:
+    """One remote prefill's time.monotonic() marks on this worker (seconds). Stages are observed only for a
+    handover that succeeded: one that fell back to local prefill is counted in LOCAL_PREFILL instead."""
+
+    received: float
+    reserved: float = 0.0
+    sent: float = 0.0
+    replied: float = 0.0
+    landed: float = 0.0
+    admitted: float = 0.0
+
+    def observe_admitted(self, now: float) -> None:
+        """The first token is out: observe every stage up to admission."""
+        self.admitted = now
+        marks = (self.received, self.reserved, self.sent, self.replied, self.landed, now)
+        for stage, start, end in zip(HANDOVER_STAGES[:-1], marks[:-1], marks[1:], strict=True):
+            HANDOVER_STAGE.labels(stage).observe(end - start)
+
+    def observe_first_decode(self, now: float) -> None:
+        HANDOVER_STAGE.labels("first_decode").observe(now - self.admitted)

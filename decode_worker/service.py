@@ -4,6 +4,9 @@ prefill worker compute it and stream its KV in, then decode from the first token
 Short prompts (or no prefill worker) are prefilled locally. If the prefill worker fails, stalls past the
 transfer deadline or dies, the request is prefilled locally instead and still succeeds. Reserved blocks a
 failed transfer may still write into are freed only after the prefill call has ended (deferred free).
+
+Each remote prefill that succeeds leaves a timeline of its handover (`HandoverTimeline`): a time.monotonic()
+mark at the end of each stage, observed in `splitserve_handover_stage_seconds{stage}`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -29,7 +33,7 @@ from splitserve.common.protocol.convert import (
 )
 from splitserve.common.tasks import TaskOwner
 from splitserve.common.worker_metrics import PREFIX_HIT_TOKENS, PROMPT_TOKENS, WORKER_REQUESTS
-from splitserve.decode_worker.metrics import LOCAL_PREFILL, REMOTE_PREFILL
+from splitserve.decode_worker.metrics import LOCAL_PREFILL, REMOTE_PREFILL, HandoverTimeline
 from splitserve.engine.interface import ServingEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.kv_transfer import KVTransferAgent, TransferError
@@ -77,6 +81,7 @@ class DecodeService:
         return self.agent is not None and any(w.role == "prefill" for w in self.membership.workers())
 
     async def generate(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        received = time.monotonic()
         facts = self.engine.facts
         peer = None
         try:
@@ -94,8 +99,12 @@ class DecodeService:
         rid = req.request_id
         stream: AsyncIterator[RequestOutput] | None = None
         remote = False
+        timeline: HandoverTimeline | None = None  # a remote prefill that succeeded, until its first decode
         if peer is not None and len(prompt) >= self.threshold:
-            stream, remote = await self._remote(rid, prompt, params, req.priority, peer)
+            timeline = HandoverTimeline(received)
+            stream, remote = await self._remote(rid, prompt, params, req.priority, peer, timeline)
+            if not remote:
+                timeline = None
         elif peer is not None or (self._has_peers() and not req.prefill_worker):
             LOCAL_PREFILL.labels("short_prompt" if peer is not None else "no_prefill_worker").inc()
         if stream is None:
@@ -104,17 +113,24 @@ class DecodeService:
         async for out in stream:
             if first:
                 first = False
+                if timeline is not None:
+                    timeline.observe_admitted(time.monotonic())
                 PROMPT_TOKENS.inc(out.num_prompt_tokens)
                 PREFIX_HIT_TOKENS.inc(out.num_cached_tokens)
+            elif timeline is not None:  # the first decoded token ends the handover's timeline
+                timeline.observe_first_decode(time.monotonic())
+                timeline = None
             if out.finished:  # counted before the last message: the caller may hang up once it has it
                 WORKER_REQUESTS.labels("generate", "ok" if out.finish_reason in ("stop", "length") else
                                        out.finish_reason or "error").inc()
             yield _to_pb(out, remote)
 
-    async def _remote(self, rid, prompt, params, priority, peer) -> tuple[AsyncIterator[RequestOutput] | None, bool]:
+    async def _remote(self, rid, prompt, params, priority, peer,
+                      timeline: HandoverTimeline) -> tuple[AsyncIterator[RequestOutput] | None, bool]:
         """Remote prefill: (its stream, True); (the local fallback's stream, False) when the transfer failed;
-        (None, False) means prefill locally (the reason is counted)."""
+        (None, False) means prefill locally (the reason is counted). Marks `timeline` up to the KV landing."""
         reserved = await self.engine.reserve_remote(rid, prompt, params, priority)
+        timeline.reserved = time.monotonic()
         if reserved is None:
             LOCAL_PREFILL.labels("no_free_blocks").inc()
             return None, False
@@ -129,10 +145,13 @@ class DecodeService:
             protocol_version=PROTOCOL_VERSION, request_id=rid, prompt_token_ids=prompt,
             params=params_to_pb(params), ticket=ticket.encode()), timeout=self.transfer_timeout)
         landed = asyncio.ensure_future(self.agent.wait(rid))
+        timeline.sent = time.monotonic()
         try:
             try:
                 resp = await call
+                timeline.replied = time.monotonic()
                 await landed
+                timeline.landed = time.monotonic()
             finally:
                 if not landed.done():
                     landed.cancel()

@@ -13,6 +13,7 @@ from splitserve.kv_transfer import metrics as kv_metrics
 from splitserve.kv_transfer.pool import make_pool
 from splitserve.kv_transfer.sharded import make_worker_agent
 from splitserve.kv_transfer.stream_hook import KVStreamHook
+from splitserve.prefill_worker.metrics import PREFILL_STAGE, PREFILL_STAGES
 from splitserve.prefill_worker.service import PrefillService
 
 log = logging.getLogger("splitserve.prefill_worker")
@@ -23,6 +24,8 @@ async def build(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext) ->
     agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "prefill")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
     kv_metrics.BYTES.labels("send", agent.backend.name)
+    for stage in PREFILL_STAGES:  # every series from the start, so dashboards see them
+        PREFILL_STAGE.labels(stage)
     hook = KVStreamHook(engine.kv_spec.block_size, cuda=engine.facts.device.startswith("cuda"))
     engine.add_layer_hook(hook)
     return PrefillService(engine, agent, hook, make_pool(spec, engine, ctx, "prefill"))

@@ -1,6 +1,8 @@
 """The Prefill RPC: compute the prompt, stream its KV into the ticket's blocks, return the first token.
 
 The computed blocks stay in this worker's prefix cache after the transfer (they are released, not dropped).
+Each call that succeeds leaves a timeline of its stages (`PrefillTimeline`), observed in
+`splitserve_prefill_stage_seconds{stage}`.
 """
 
 from __future__ import annotations
@@ -17,9 +19,16 @@ from splitserve.common.protocol.convert import ProtocolError, check_request, log
 from splitserve.common.worker_metrics import WORKER_REQUESTS
 from splitserve.engine.interface import ServingEngine
 from splitserve.engine.kv_cache_manager import cdiv
-from splitserve.kv_transfer import KVTransferAgent, MalformedTicket, TransferError, TransferTicket
+from splitserve.kv_transfer import (
+    KVTransferAgent,
+    MalformedTicket,
+    SendSession,
+    TransferError,
+    TransferTicket,
+)
 from splitserve.kv_transfer.pool import KVPool
 from splitserve.kv_transfer.stream_hook import KVStreamHook
+from splitserve.prefill_worker.metrics import PrefillTimeline
 
 log = logging.getLogger("splitserve.prefill_worker")
 
@@ -35,6 +44,7 @@ class PrefillService:
         self.pool = pool  # prompts' blocks already in the KV pool are loaded, not computed
 
     async def prefill(self, req: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        timeline = PrefillTimeline(time.monotonic())
         facts = self.engine.facts
         try:
             check_request(req.protocol_version, req.request_id, req.prompt_token_ids, facts.vocab_size,
@@ -53,7 +63,12 @@ class PrefillService:
         rid = req.request_id
         first_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=[], ignore_eos=True)
         prompt = list(req.prompt_token_ids)
-        done = self.hook.register(rid, lambda blocks: self.agent.begin(ticket, blocks), len(prompt))
+
+        def begin(blocks: list[int]) -> SendSession:  # on the engine thread, at the request's first step
+            timeline.scheduled = time.monotonic()
+            return self.agent.begin(ticket, blocks)
+
+        done = self.hook.register(rid, begin, len(prompt))
         sent = False
         try:
             first = None
@@ -62,11 +77,13 @@ class PrefillService:
             if first is None or first.finish_reason in ("abort", "error") or not first.new_token_ids:
                 raise TransferError(f"{rid}: prefill did not produce a token ({first and first.error})")
             await done.wait_async(max(0.5, ticket.deadline - time.time()))
+            timeline.computed = time.monotonic()
             error = self.hook.error(rid)
             session = self.hook.session(rid)
             if error is not None or session is None:
                 raise error or TransferError(f"{rid}: no KV stream was started")
             await asyncio.to_thread(session.finish)
+            timeline.sent = time.monotonic()
             sent = True
         except TransferError as e:
             WORKER_REQUESTS.labels("prefill", "transfer_error").inc()
@@ -79,6 +96,7 @@ class PrefillService:
             self.hook.unregister(rid)
             await self.engine.release(rid)
         WORKER_REQUESTS.labels("prefill", "ok").inc()
+        timeline.observe_replied(time.monotonic())
         lp = first.new_logprobs[0] if first.new_logprobs else None
         return pb.PrefillResponse(
             request_id=rid, first_token_id=first.new_token_ids[0], has_logprob=lp is not None,
