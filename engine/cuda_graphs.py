@@ -13,7 +13,7 @@ import torch
 
 from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.models.llama import CausalLM
-from splitserve.engine.step_batch import StepBatch
+from splitserve.engine.step_batch import Feed, StepBatch
 
 log = logging.getLogger("splitserve.engine.cuda_graphs")
 
@@ -66,8 +66,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [n, vocab] for a batch of n single-token decodes."""
+    def run(self, batch: StepBatch, feed: Feed | None = None) -> torch.Tensor:
+        """Logits [n, vocab] for a batch of n single-token decodes; `feed` puts tokens already on the device into
+        some rows' inputs (the overlapped step)."""
         n = batch.num_decodes
         b = next(x for x in self.buckets if x >= n)
         pad = b - n
@@ -83,6 +84,8 @@ class DecodeGraphs:
         for i, t in enumerate(tables):
             padded[i, :len(t)] = t
         self.tables[:n, :width].copy_(torch.from_numpy(padded), non_blocking=True)
+        if feed is not None:
+            feed.apply(self.input_ids)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]

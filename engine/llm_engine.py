@@ -18,7 +18,7 @@ from splitserve.engine.block_pool import KVCacheEvent
 from splitserve.engine.config import EngineConfig, KVCacheSpec
 from splitserve.engine.interface import KVEventListener, KVLayerHook, ModelFacts
 from splitserve.engine.loading import build_runner, rank_device
-from splitserve.engine.model_runner import DTYPES
+from splitserve.engine.model_runner import DTYPES, InFlight
 from splitserve.engine.models.loader import load_arch
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.parallel import KVShard, ParallelContext, check_shardable, replicate_kv_heads
@@ -64,6 +64,12 @@ class LLMEngine:
         self.facts = ModelFacts(self.model_name, self.arch.vocab_size, self.max_model_len, self.eos_token_ids,
                                 config.parallel.tensor_parallel_size, str(self.device))
         self.layer_hooks: list[KVLayerHook] = []
+        # Overlapped decode: a step of greedy decodes is launched before the previous one's tokens are read, so
+        # the host's scheduling and output work hides behind the device. On CPU a "launch" is the whole step, so
+        # there it would only delay every token by a step: off unless asked (tests turn it on).
+        self.overlap = self.device.type == "cuda"
+        self._inflight: InFlight | None = None
+        self._ready: list[RequestOutput] = []  # outputs of a step read outside `step`, handed out by the next one
         log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d tp=%d",
                  self.model_name, self.device, dtype_name, num_blocks, block_size, self.max_model_len,
                  config.parallel.tensor_parallel_size)
@@ -90,6 +96,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one device)."""
+        self._settle()
         if self.parallel is not None:
             self.runner.graphs = None  # graphs hold the communicators: release them first
             stop_followers(self.parallel, self._followers)
@@ -114,17 +121,23 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request wherever it is (held blocks are released too); None if it was unknown or done."""
-        known = request_id in self.scheduler.requests
+        self._settle()
+        live = self.scheduler.requests.get(request_id)
+        live = live is not None and not live.is_finished
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.runner.sampler.forget(request_id)
-        if not known or request is None or request.status != RequestStatus.FINISHED_ABORTED:
+        if not live or request is None or request.status != RequestStatus.FINISHED_ABORTED:
             return None
+        # tokens read by the settle above but not handed out yet are dropped: the caller has stopped listening
+        unsent = sum(len(o.new_token_ids) for o in self._ready if o.request_id == request_id)
+        self._ready = [o for o in self._ready if o.request_id != request_id]
         return RequestOutput(request_id, [], finished=True, finish_reason="abort",
                              num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens)
+                             num_output_tokens=request.num_output_tokens - unsent)
 
     def release(self, request_id: str) -> bool:
         """Free a finished request's held blocks (prefill role, once its KV was sent)."""
+        self._settle()
         return self.scheduler.release(request_id)
 
     # -- disaggregation (decode role) ---------------------------------------------------------------
@@ -134,6 +147,7 @@ class LLMEngine:
 
         Returns (block ids covering the whole prompt, prompt tokens already cached here), or None if full.
         """
+        self._settle()
         request = self.make_request(request_id, prompt_token_ids, params, priority, hold_blocks)
         return self.scheduler.reserve_remote(request)
 
@@ -141,6 +155,7 @@ class LLMEngine:
     def export_blocks(self, block_hashes: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """Copies of the cached blocks with these hashes (those still cached): (their hashes, uint8 CPU tensor
         [n, bytes per block] laid out [layer, K/V, block_size, kv_heads, head_dim] per block)."""
+        self._settle()
         cached = self.scheduler.pool.cached
         found = [h for h in block_hashes if h in cached]
         return found, self.runner.read_blocks([cached[h] for h in found])
@@ -148,6 +163,7 @@ class LLMEngine:
     def load_blocks(self, request_id: str, first_block: int, data: torch.Tensor) -> None:
         """Write `data` ([n, bytes per block], from `export_blocks` on any worker of the same layout) into blocks
         first_block..first_block+n of a reserved request, and admit it to compute the rest of its prompt."""
+        self._settle()
         block_ids = self.scheduler.kv.get_block_ids(request_id)[first_block : first_block + len(data)]
         if len(block_ids) != len(data):
             raise ValueError(f"{request_id}: {len(data)} blocks do not fit its reservation")
@@ -159,6 +175,7 @@ class LLMEngine:
 
         Under tensor parallelism with fewer KV heads than ranks, the KV landed on each head's first holder: the
         ranks sharing a head copy it from there first."""
+        self._settle()
         if self.parallel is not None and self.kv_shard.replicated:
             blocks = self.scheduler.kv.get_block_ids(request_id)
             if blocks:
@@ -169,12 +186,65 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs, self._ready = self._ready, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            if self._can_follow():
+                # every running request decodes from a token still on the device: launch the next step behind
+                # `prev` first, then read `prev`'s tokens while the device runs it
+                sched = self.scheduler.schedule()
+                if not sched.is_empty:
+                    self._launch(sched, prev)
+                return outputs + self._commit(prev)
+            outputs += self._commit(prev)
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return outputs
+        if self._overlappable(sched):
+            self._launch(sched, None)
+            return outputs
         sampled = self.runner.execute(sched, self.layer_hooks)
         results = self.scheduler.update_from_output(sched, sampled)
-        return [self._emit(request, tokens) for request, tokens in results]
+        return outputs + [self._emit(request, tokens) for request, tokens in results]
+
+    # -- the overlapped decode step -----------------------------------------------------------------
+    def _overlappable(self, sched) -> bool:
+        """A step may be launched without reading its tokens: greedy single-token decodes (sampled by one
+        argmax on the device), on one device, with no layer hooks."""
+        if not self.overlap or self.layer_hooks or self.parallel is not None:
+            return False
+        return all(s.num_new_tokens == 1 and s.sample and s.request.sampling_params.greedy
+                   and s.request.sampling_params.logprobs is None for s in sched.scheduled)
+
+    def _can_follow(self) -> bool:
+        """The next step can run right behind the one in flight: nothing waits to be admitted and every running
+        request was in the step in flight (so the next step is its decodes again)."""
+        if not self.overlap or self.layer_hooks or self.scheduler.waiting:
+            return False
+        return all(r.num_pending for r in self.scheduler.running)
+
+    def _launch(self, sched, prev: InFlight | None) -> None:
+        self._inflight = self.runner.launch(sched.scheduled, prev)
+        self.scheduler.launch(sched)
+
+    def _commit(self, step: InFlight) -> list[RequestOutput]:
+        """Read a launched step's tokens and apply them (stops, block caching), as `update_from_output` does."""
+        outputs = []
+        for s, token_id in zip(step.scheduled, step.token_ids(), strict=True):
+            request = s.request
+            if request.status != RequestStatus.RUNNING or not request.num_pending:
+                continue  # aborted, stopped or preempted after the launch: its token is void
+            token = SampledToken(token_id)
+            self.scheduler.commit_token(request, token)
+            outputs.append(self._emit(request, [token]))
+        return outputs
+
+    def _settle(self) -> None:
+        """Read the step in flight, if any, before something from outside touches requests or blocks (its
+        outputs go out with the next `step`)."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._ready += self._commit(step)
 
     def _emit(self, request: Request, tokens: list[SampledToken]) -> RequestOutput:
         out = RequestOutput(
@@ -187,14 +257,14 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_loaded_tokens=request.num_loaded_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_output_tokens - request.num_pending,
         )
         if request.is_finished:
             self.runner.sampler.forget(request.request_id)
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None or bool(self._ready)
 
     def stats(self) -> dict[str, int]:
         return self.scheduler.stats()

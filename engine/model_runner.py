@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,9 +13,10 @@ from splitserve.engine.kv_cache_manager import cdiv
 from splitserve.engine.models.arch import ArchConfig
 from splitserve.engine.models.llama import CausalLM
 from splitserve.engine.parallel import ParallelContext
+from splitserve.engine.request import PENDING_TOKEN
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
-from splitserve.engine.step_batch import PrefillChunk, StepBatch, send_step
+from splitserve.engine.step_batch import Feed, PrefillChunk, StepBatch, send_step
 
 if TYPE_CHECKING:
     from splitserve.engine.interface import KVLayerHook
@@ -43,6 +45,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.graphs = None
+        self._host_tokens: list[torch.Tensor] | None = None  # pinned landing buffers of launched steps' tokens
+        self._flip = 0
 
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -110,6 +114,36 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, sampling)
         return {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
 
+    @torch.inference_mode()
+    def launch(self, order: list[ScheduledRequest], prev: InFlight | None = None) -> InFlight:
+        """Launch a step of greedy single-token decodes and return at once, its tokens left on the device (and on
+        their way to the host). A row whose input is still a PENDING_TOKEN takes `prev`'s token for its request
+        on the device, so this step runs right behind `prev` with no host round trip between them."""
+        batch = self.build(order)
+        feed = None
+        if PENDING_TOKEN in batch.input_ids:
+            where = {s.request_id: i for i, s in enumerate(prev.scheduled)} if prev is not None else {}
+            rows = [i for i, t in enumerate(batch.input_ids) if t == PENDING_TOKEN]
+            missing = [order[i].request_id for i in rows if order[i].request_id not in where]
+            if missing:
+                raise RuntimeError(f"no step in flight holds the input token of {missing[:3]}")
+            feed = Feed(rows, [where[order[i].request_id] for i in rows], prev.tokens)
+        logits = self.forward(batch, feed=feed)
+        tokens = torch.argmax(logits, dim=-1)
+        n = len(order)
+        if self.device.type == "cuda":
+            if self._host_tokens is None or len(self._host_tokens[0]) < n:
+                self._host_tokens = [torch.empty(max(n, self.max_num_seqs), dtype=torch.long, pin_memory=True)
+                                     for _ in range(2)]
+            self._flip ^= 1  # two buffers: the step launched before this one may still be unread
+            host = self._host_tokens[self._flip][:n]
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = tokens, None
+        return InFlight(list(order), tokens, host, done)
+
     def build(self, order: list[ScheduledRequest], graphs_ok: bool = True) -> StepBatch:
         bs = self.block_size
         batch = StepBatch([], [], [])
@@ -133,10 +167,10 @@ class ModelRunner:
                            and batch.num_decodes <= self.graphs.max_batch)
         return batch
 
-    def forward(self, batch: StepBatch, on_layer_written=None) -> torch.Tensor | None:
+    def forward(self, batch: StepBatch, on_layer_written=None, feed: Feed | None = None) -> torch.Tensor | None:
         """Run one step; logits [num_samples, vocab] float32 (None when nothing is sampled)."""
         if batch.use_graph:
-            logits = self.graphs.run(batch)  # [num_decodes, vocab] float32
+            logits = self.graphs.run(batch, feed)  # [num_decodes, vocab] float32
             if len(batch.sample_idx) == batch.num_decodes:  # every row (rows are in order): no gather
                 return logits
             return logits[batch.sample_idx] if batch.sample_idx else None
@@ -154,12 +188,30 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.long).to(dev)
             meta.decode_seq_lens = torch.tensor(batch.decode_seq_lens, dtype=torch.long).to(dev)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev)
+        if feed is not None:
+            feed.apply(input_ids)
         positions = torch.tensor(batch.positions, dtype=torch.long).to(dev)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not batch.sample_idx:
             return None
         sample_idx = torch.tensor(batch.sample_idx, dtype=torch.long).to(dev)
         return self.model.compute_logits(hidden[sample_idx])
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens have not been read: `tokens` on the device, `host` their copy, valid
+    once `done` (a CUDA event; None on CPU, where the step has already run) has completed."""
+
+    scheduled: list[ScheduledRequest]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def token_ids(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 def _fan_out(hooks: list[KVLayerHook]):

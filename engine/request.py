@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from splitserve.common.sampling import Logprob, SamplingParams
 
+# An output token still being sampled on the device: the overlapped decode step (`LLMEngine.step`) appends it at
+# launch and replaces it when the step's tokens reach the host. Only ever the last entries of `output_token_ids`.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -51,6 +55,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first schedule
     num_loaded_tokens: int = 0  # prompt tokens whose KV was loaded from outside (the KV pool)
     num_preemptions: int = 0
+    num_pending: int = 0  # trailing PENDING_TOKEN entries of output_token_ids
     stop_reason: int | str | None = None
 
     @property

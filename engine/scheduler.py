@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from splitserve.engine.block_pool import BlockPool, KVCacheEvent
 from splitserve.engine.config import CacheConfig, SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import Logprob, Request, RequestStatus
+from splitserve.engine.request import PENDING_TOKEN, Logprob, Request, RequestStatus
 
 
 @dataclass
@@ -149,6 +149,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.num_pending and self._reaches_length(request):
+                continue  # its token in flight is its last one
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
                 continue
@@ -215,6 +217,7 @@ class Scheduler:
         return candidates[-1]
 
     def _preempt(self, request: Request) -> None:
+        self._drop_pending(request)  # a token in flight for it is discarded: recompute samples it again
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
@@ -241,6 +244,43 @@ class Scheduler:
                 self._append_token(request, token)
                 results.append((request, [token]))
         return results
+
+    # -- the overlapped decode step (tokens sampled on the device, read one step later) ------------------
+    def launch(self, out: SchedulerOutput) -> None:
+        """The decodes in `out` were launched with their tokens left on the device: advance their counters and
+        hold a PENDING_TOKEN in each one's output until `commit_token`."""
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            request.output_token_ids.append(PENDING_TOKEN)
+            request.num_pending += 1
+
+    def commit_token(self, request: Request, token: SampledToken) -> None:
+        """The oldest pending token of `request` is `token`: check stops and cache blocks as `update_from_output`
+        does. A stop discards the tokens launched after it."""
+        ids = request.output_token_ids
+        i = len(ids) - request.num_pending
+        ids[i] = token.token_id
+        later = request.num_pending = request.num_pending - 1
+        self._drop_pending(request)  # the stop check counts real tokens only
+        self.kv.cache_blocks(request)
+        status = self._check_stop(request, token.token_id)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        elif later:
+            ids.extend([PENDING_TOKEN] * later)
+            request.num_pending = later
+            request.num_computed_tokens += later
+
+    def _drop_pending(self, request: Request) -> None:
+        if request.num_pending:
+            del request.output_token_ids[-request.num_pending:]
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            request.num_pending = 0
+
+    def _reaches_length(self, request: Request) -> bool:
+        return (request.num_output_tokens >= request.sampling_params.max_tokens
+                or request.num_tokens >= self.max_model_len)
 
     def _append_token(self, request: Request, token: SampledToken) -> None:
         request.output_token_ids.append(token.token_id)
@@ -274,6 +314,7 @@ class Scheduler:
             if request_id in self.held and status == RequestStatus.FINISHED_ABORTED:
                 self.release(request_id)
             return request
+        self._drop_pending(request)
         if request in self.running:
             self.running.remove(request)
         elif request_id in self.remote_waiting:

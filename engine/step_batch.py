@@ -30,6 +30,20 @@ class PrefillChunk:
 
 
 @dataclass
+class Feed:
+    """Input tokens that are still on the device: row `rows[i]` of a step takes `tokens[src[i]]`, the token an
+    earlier step sampled (the overlapped decode step launches before that step's tokens reach the host)."""
+
+    rows: list[int]
+    src: list[int]
+    tokens: torch.Tensor  # [m] int64 on the device
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        idx = torch.tensor([self.rows, self.src], dtype=torch.long).to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, idx[0], self.tokens.index_select(0, idx[1]))
+
+
+@dataclass
 class StepBatch:
     """Decodes (one token each) come first, then prefill chunks."""
 

@@ -170,3 +170,28 @@ def test_gpu_tensor_and_expert_parallel_parity(tmp_path_factory, gpu_models, kin
         res = run(size, expert_parallel)
         clear, compared = check_against_hf(path, prompts, [r["token_ids"] for r in res], [r["logprobs"] for r in res])
         print(f"{kind} tp={size} ep={expert_parallel}: {clear}/{compared} clear positions matched")
+
+
+def test_gpu_overlapped_decode_matches_serial(gpu_models):
+    """The overlapped decode step (on by default on CUDA, with CUDA graphs) gives the tokens of serial steps."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(384) for _ in range(n)] for n in (5, 37, 1, 90, 16, 64, 12, 8)]
+    params = [greedy(n, ignore_eos=True) for n in (3, 17, 30, 1, 25, 9, 40, 2)]
+    engine = make_engine(gpu_models["llama3"], dtype="bfloat16", device="cuda", block_size=16, prefix_caching=False)
+    assert engine.overlap and engine.runner.graphs is not None
+    launches = 0
+    launch = engine.runner.launch
+
+    def counted(order, prev=None):
+        nonlocal launches
+        launches += 1
+        return launch(order, prev)
+
+    engine.runner.launch = counted
+    on = [r["token_ids"] for r in engine.generate(prompts, params)]
+    engine.overlap = False
+    off = [r["token_ids"] for r in engine.generate(prompts, params)]
+    assert launches > 20
+    assert on == off
+    assert [len(t) for t in on] == [p.max_tokens for p in params]
+    assert engine.scheduler.pool.num_free_blocks == engine.scheduler.pool.num_blocks
