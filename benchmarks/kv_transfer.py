@@ -3,11 +3,14 @@
 Cases: (a) SmolLM2's KV for a 2k-token prompt, (b) a Llama-3.1-8B-shaped KV for 3k tokens (32 layers x 8 KV
 heads x 128 dims, bf16, ~403 MB). Modes:
   whole      every layer in one transfer (the KV is already computed)
-  layerwise  one transfer + one completion notice per layer, back to back
+  layerwise  one `send_layer` per layer, back to back (NIXL: a write per layer, one notice per request)
   paced      layers released at a fixed interval (as prefill compute would), measuring the tail: how long
              after the sender's last layer is written the receiver has everything
 On CUDA the sender uses GPU 0 and the receiver GPU 1 (or GPU 0 when only one exists), and `copy_gbps` is a
 device-to-device torch copy over the same pair, measured in the same run. Prints a table, then one JSON line.
+With NIXL each case also reports the write requests (`*_xfers`), descriptors (`*_descs`) and notices
+(`*_notifs`) the sender made per request; `--chunk-bytes a,b,c` reruns the layer-wise case with each
+descriptor size (`nixl_backend.CHUNK_BYTES`) and reports those under `chunk_sweep`.
 
 The receiver is this script again in a child process (`--receiver`), talking JSON lines over its stdin/stdout.
 The parent watches it while waiting for any reply: a receiver that dies (NIXL missing, out of memory) is
@@ -71,6 +74,10 @@ def receiver_main(backend: str, device: str, case: str) -> None:
         if msg["op"] == "stop":
             break
         blocks = list(range(4, 4 + nblocks))
+        if msg.get("verify"):  # zeros first, so the digest sees this request's bytes, not an earlier one's
+            for pair in kv:
+                for t in pair:
+                    t[blocks] = 0
         ticket = agent.expect(msg["rid"], blocks, timeout_s=120)
         print(json.dumps({"ticket": ticket.encode().decode()}), file=replies)
         agent.wait_blocking(msg["rid"])
@@ -102,7 +109,7 @@ class Receiver(JsonLinesChild):
                 self.proc.wait(5)
 
 
-def run_case(backend: str, device: str, recv_device: str, case: str, reps: int) -> dict:
+def run_case(backend: str, device: str, recv_device: str, case: str, reps: int, chunks: list[int]) -> dict:
     from splitserve.kv_transfer import KVLayout, make_agent
 
     layers, heads, dim, tokens, cpu_dt, cuda_dt = CASES[case]
@@ -114,53 +121,98 @@ def run_case(backend: str, device: str, recv_device: str, case: str, reps: int) 
     try:
         agent = make_agent(backend, KVLayout(kv))
         try:
-            return _measure(receiver, agent, kv, case, nbytes, reps)
+            out = _measure(receiver, agent, kv, case, nbytes, reps)
+            if chunks:
+                out["chunk_sweep"] = _sweep(receiver, agent, kv, case, nbytes, reps, chunks)
+            return out
         finally:
             agent.close()
     finally:
         receiver.close()
 
 
-def _measure(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: int, reps: int) -> dict:
+def _counts(agent: KVTransferAgent) -> dict:
+    """The sender's NIXL counters so far (empty for TCP)."""
+    return dict(getattr(agent.backend, "counts", {}))
+
+
+def _one(receiver: Receiver, agent: KVTransferAgent, layers: int, src: list[int], rid: str, mode: str,
+         interval: float = 0.0, verify: bool = False) -> dict:
+    """One request: seconds to the receiver's completion from the first send, and from the last layer's send;
+    the receiver's digest when `verify`; the sender's NIXL counts for it."""
     from splitserve.kv_transfer import TransferTicket
+
+    receiver.send_json({"op": "expect", "rid": rid, "verify": verify})
+    ticket = TransferTicket.decode(receiver.recv_json(REPLY_S)["ticket"].encode())
+    before = _counts(agent)
+    t0 = time.monotonic()
+    session = agent.begin(ticket, src)
+    last_written = t0
+    if mode == "whole":
+        session.send_all()
+    else:
+        for layer in range(layers):
+            if interval:
+                time.sleep(max(0.0, t0 + (layer + 1) * interval - time.monotonic()))  # "compute" layer i
+            last_written = time.monotonic()
+            session.send_layer(layer)
+    session.finish()
+    res = receiver.recv_json(REPLY_S)
+    after = _counts(agent)
+    counts = {k: after[k] - before.get(k, 0) for k in ("xfers", "descs", "notifs") if k in after}
+    return {"total": res["done"] - t0, "tail": res["done"] - last_written, "digest": res["digest"], **counts}
+
+
+def _sweep(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: int, reps: int,
+           chunks: list[int]) -> list[dict]:
+    """The layer-wise case again per descriptor size (bytes), each checked bit for bit first."""
+    from splitserve.kv_transfer import nixl_backend
+
+    layers, nblocks = len(kv), CASES[case][3] // BLOCK
+    src = list(range(2, 2 + nblocks))
+    expected = _digest(kv, src)
+    default, out = nixl_backend.CHUNK_BYTES, []
+    try:
+        for chunk in chunks:
+            nixl_backend.CHUNK_BYTES = chunk  # read when a request opens its channels
+            digest = _one(receiver, agent, layers, src, f"{case}-sweep{chunk}-check", "layerwise", verify=True)["digest"]
+            runs = [_one(receiver, agent, layers, src, f"{case}-sweep{chunk}-{i}", "layerwise") for i in range(reps)]
+            t = statistics.median(r["total"] for r in runs)
+            out.append({"chunk_bytes": chunk, "layerwise_ms": t * 1e3, "layerwise_gbps": nbytes / t / 1e9,
+                        "verified": abs(digest - expected) <= 1e-6 * max(1.0, abs(expected)),
+                        **{k: runs[-1][k] for k in ("xfers", "descs", "notifs")}})
+    finally:
+        nixl_backend.CHUNK_BYTES = default
+    return out
+
+
+def _measure(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: int, reps: int) -> dict:
 
     layers, nblocks = len(kv), CASES[case][3] // BLOCK
     src = list(range(2, 2 + nblocks))
     counter = iter(range(10**6))
 
     def one(mode, interval=0.0, verify=False):
-        rid = f"{case}-{mode}-{next(counter)}"
-        receiver.send_json({"op": "expect", "rid": rid, "verify": verify})
-        ticket = TransferTicket.decode(receiver.recv_json(REPLY_S)["ticket"].encode())
-        t0 = time.monotonic()
-        session = agent.begin(ticket, src)
-        last_written = t0
-        if mode == "whole":
-            session.send_all()
-        else:
-            for layer in range(layers):
-                if interval:
-                    time.sleep(max(0.0, t0 + (layer + 1) * interval - time.monotonic()))  # "compute" layer i
-                last_written = time.monotonic()
-                session.send_layer(layer)
-        session.finish()
-        res = receiver.recv_json(REPLY_S)
-        return res["done"] - t0, res["done"] - last_written, res["digest"]
+        return _one(receiver, agent, layers, src, f"{case}-{mode}-{next(counter)}", mode, interval, verify)
 
     out = {"name": case, "bytes": nbytes}
     one("whole")  # warm-up: connections, remote-agent handshake
-    _, _, digest = one("whole", verify=True)
+    digest = one("whole", verify=True)["digest"]
     expected = _digest(kv, src)
     out["verified"] = abs(digest - expected) <= 1e-6 * max(1.0, abs(expected))
-    whole = [one("whole")[0] for _ in range(reps)]
-    lw = [one("layerwise")[0] for _ in range(reps)]
-    out["whole_ms"] = statistics.median(whole) * 1e3
-    out["layerwise_ms"] = statistics.median(lw) * 1e3
-    out["whole_gbps"] = nbytes / statistics.median(whole) / 1e9
-    out["layerwise_gbps"] = nbytes / statistics.median(lw) / 1e9
-    per_layer = statistics.median(lw) / layers
+    whole = [one("whole") for _ in range(reps)]
+    lw = [one("layerwise") for _ in range(reps)]
+    whole_s = statistics.median(r["total"] for r in whole)
+    lw_s = statistics.median(r["total"] for r in lw)
+    out["whole_ms"] = whole_s * 1e3
+    out["layerwise_ms"] = lw_s * 1e3
+    out["whole_gbps"] = nbytes / whole_s / 1e9
+    out["layerwise_gbps"] = nbytes / lw_s / 1e9
+    for mode, runs in (("whole", whole), ("layerwise", lw)):  # per request (the same for every rep)
+        out.update({f"{mode}_{k}": runs[-1][k] for k in ("xfers", "descs", "notifs") if k in runs[-1]})
+    per_layer = lw_s / layers
     interval = 1.5 * per_layer  # compute slower than the link: transfer can hide behind it
-    tails = [one("paced", interval)[1] for _ in range(reps)]
+    tails = [one("paced", interval)["tail"] for _ in range(reps)]
     out["layer_transfer_ms"] = per_layer * 1e3
     out["paced_interval_ms"] = interval * 1e3
     out["tail_after_last_layer_ms"] = statistics.median(tails) * 1e3
@@ -192,7 +244,15 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--cases", default="smollm2_2k,llama8b_3k")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--chunk-bytes", default="",
+                    help="NIXL: comma-separated descriptor sizes in bytes; reruns the layer-wise case with each")
     args = ap.parse_args()
+    try:
+        chunks = [int(c) for c in args.chunk_bytes.split(",") if c.strip()]
+    except ValueError:
+        sys.exit(f"kv_transfer benchmark: --chunk-bytes takes integers, got {args.chunk_bytes!r}")
+    if any(c <= 0 for c in chunks) or (chunks and args.backend != "nixl"):
+        sys.exit("kv_transfer benchmark: --chunk-bytes takes positive sizes and needs --backend nixl")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("kv_transfer benchmark: --device cuda but no GPU is visible")
     send_dev = recv_dev = "cpu"
@@ -202,7 +262,7 @@ def main() -> None:
         recv_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
         copy_gbps = copy_bandwidth(send_dev, recv_dev)
     try:
-        cases = [run_case(args.backend, send_dev, recv_dev, c, args.reps) for c in args.cases.split(",")]
+        cases = [run_case(args.backend, send_dev, recv_dev, c, args.reps, chunks) for c in args.cases.split(",")]
     except ChildDied as e:
         sys.exit(f"kv_transfer benchmark: {e}")
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
@@ -214,9 +274,25 @@ def main() -> None:
         print(f"{c['name']:<12}{c['bytes'] / 1e6:>8.1f}{c['whole_ms']:>10.2f}{c['whole_gbps']:>8.2f}"
               f"{c['layerwise_ms']:>11.2f}{c['layerwise_gbps']:>8.2f}{c['tail_after_last_layer_ms']:>9.2f}"
               f"{c['layer_transfer_ms']:>10.2f}{str(c['verified']):>5}")
+        if "layerwise_descs" in c:
+            print(f"{'':<12}per request: whole {c['whole_xfers']} writes / {c['whole_descs']} descriptors, "
+                  f"layer-wise {c['layerwise_xfers']} writes / {c['layerwise_descs']} descriptors / "
+                  f"{c['layerwise_notifs']} notices")
+        for sw in c.get("chunk_sweep", ()):
+            print(f"{'':<12}chunk {sw['chunk_bytes']:>9} B: layer-wise {sw['layerwise_ms']:.2f} ms "
+                  f"{sw['layerwise_gbps']:.2f} GB/s, {sw['descs']} descriptors, ok={sw['verified']}")
     print(json.dumps({"backend": args.backend, "device": args.device, "gpu": gpu, "copy_gbps": copy_gbps,
-                      "sender": send_dev, "receiver": recv_dev,
-                      "cases": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items()} for c in cases]}))
+                      "sender": send_dev, "receiver": recv_dev, "cases": [_rounded(c) for c in cases]}))
+
+
+def _rounded(v):
+    if isinstance(v, float):
+        return round(v, 4)
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
 
 
 if __name__ == "__main__":
