@@ -19,7 +19,7 @@ PREFILL_STAGES = (
     "queue",      # Prefill received -> first scheduled in an engine step (its KV stream starts)
     "compute",    # -> last chunk computed, every layer's KV queued to send, first token back on the service
     "kv_finish",  # -> the KV sender finished (every write landed and the receiver was told)
-    "release",    # -> blocks released to the prefix cache, reply ready
+    "reply",      # -> reply ready (the blocks' release to the prefix cache is queued behind it)
 )
 
 

@@ -16,6 +16,7 @@ import grpc
 
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol.convert import ProtocolError, check_request, logprob_to_pb, params_from_pb
+from splitserve.common.tasks import TaskOwner
 from splitserve.common.worker_metrics import WORKER_REQUESTS
 from splitserve.engine.interface import ServingEngine
 from splitserve.engine.kv_cache_manager import cdiv
@@ -42,6 +43,7 @@ class PrefillService:
         self.agent = agent
         self.hook = hook
         self.pool = pool  # prompts' blocks already in the KV pool are loaded, not computed
+        self._tasks = TaskOwner("prefill")  # block releases queued behind replies
 
     async def prefill(self, req: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         timeline = PrefillTimeline(time.monotonic())
@@ -94,7 +96,10 @@ class PrefillService:
                 if session is not None:
                     session.abort()
             self.hook.unregister(rid)
-            await self.engine.release(rid)
+            if sent:  # the reply need not wait for the engine's step in progress: release behind it
+                self._tasks.spawn(self.engine.release(rid), f"release {rid}")
+            else:
+                await self.engine.release(rid)
         WORKER_REQUESTS.labels("prefill", "ok").inc()
         timeline.observe_replied(time.monotonic())
         lp = first.new_logprobs[0] if first.new_logprobs else None
@@ -105,6 +110,7 @@ class PrefillService:
         )
 
     async def close(self) -> None:
+        await self._tasks.close()
         if self.pool is not None:
             await self.pool.close()
         self.agent.close()
