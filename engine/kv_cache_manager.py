@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splitserve.common.hashing import hash_block_tokens
+from splitserve.common.hashing import hash_token_blocks
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.request import Request
 
@@ -27,10 +27,10 @@ class KVCacheManager:
         hashes = self.req_to_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         num_full = request.num_tokens // bs
-        while len(hashes) < num_full:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs), self.salt))
+        if len(hashes) < num_full:
+            done = len(hashes)
+            hashes += hash_token_blocks(request.token_slice(done * bs, num_full * bs), bs, self.salt,
+                                        hashes[-1] if hashes else None)
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

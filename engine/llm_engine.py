@@ -108,7 +108,7 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                      priority: int = 0, hold_blocks: bool = False) -> Request:
         vocab = self.arch.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority,
                        hold_blocks=hold_blocks)

@@ -117,17 +117,21 @@ class KVTransferAgent:
         self._active: set[SendSession] = set()
         self._sender = threading.Thread(target=self._send_loop, name="kv-send", daemon=True)
         self._reaper = threading.Thread(target=self._reap_loop, name="kv-deadlines", daemon=True)
+        self._endpoint: RankEndpoint | None = None
         backend.start(self)
         self._sender.start()
         self._reaper.start()
 
     # == receiver (decode) side ====================================================================
     def endpoint(self) -> RankEndpoint:
-        """This rank's entry in a ticket's `ranks`."""
-        shard = self.layout.shard
-        return RankEndpoint(agent=self.name, head_start=shard.head_start, num_heads=shard.num_heads,
-                            device_id=self.layout.device.index or 0,
-                            mem_type="VRAM" if self.layout.is_cuda else "DRAM", **self.backend.endpoint_fields())
+        """This rank's entry in a ticket's `ranks` (made once: it never changes, and every ticket carries it)."""
+        if self._endpoint is None:
+            shard = self.layout.shard
+            self._endpoint = RankEndpoint(
+                agent=self.name, head_start=shard.head_start, num_heads=shard.num_heads,
+                device_id=self.layout.device.index or 0, mem_type="VRAM" if self.layout.is_cuda else "DRAM",
+                **self.backend.endpoint_fields())
+        return self._endpoint
 
     def make_ticket(self, request_id: str, block_ids: Sequence[int], skip_blocks: int, deadline: float,
                     ranks: list[RankEndpoint]) -> TransferTicket:

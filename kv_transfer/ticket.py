@@ -19,7 +19,7 @@ import base64
 import binascii
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from splitserve.engine.parallel import kv_head_range
 from splitserve.kv_transfer.errors import IncompatibleLayout, MalformedTicket
@@ -47,9 +47,14 @@ class RankEndpoint:
     mem_type: str = "DRAM"  # DRAM | VRAM
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["nixl_metadata"] = base64.b64encode(self.nixl_metadata).decode()
-        return d
+        """Its JSON form, made once: an endpoint never changes, and every ticket of its worker carries it."""
+        cached = self.__dict__.get("_json")
+        if cached is None:
+            cached = {f: getattr(self, f) for f in self.__dataclass_fields__}
+            cached["nixl_metadata"] = base64.b64encode(self.nixl_metadata).decode()
+            cached["regions"] = [list(x) for x in self.regions]
+            self.__dict__["_json"] = cached
+        return cached
 
     @classmethod
     def from_json(cls, d: object) -> RankEndpoint:
@@ -90,7 +95,7 @@ class TransferTicket:
         return 4 if self.dtype == "float32" else 2
 
     def encode(self) -> bytes:
-        d = asdict(self)
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["ranks"] = [r.to_json() for r in self.ranks]
         return json.dumps(d, separators=(",", ":")).encode()
 

@@ -37,9 +37,17 @@ def hash_token_blocks(
     token_ids: Sequence[int], block_size: int, salt: str = "", parent_hash: int | None = None
 ) -> list[int]:
     """Hashes of every full block of `token_ids` (a trailing partial block gets none)."""
+    n = len(token_ids) // block_size
+    if n == 0:
+        return []
+    # the same bytes as `hash_block_tokens`, with the token ids converted once rather than per block
+    data = np.asarray(token_ids[: n * block_size], dtype="<i8").tobytes()
+    width = 8 * block_size
+    parent = root_hash(salt) if parent_hash is None else parent_hash
     hashes: list[int] = []
-    parent = parent_hash
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], salt)
+    blake2b, pack, from_bytes = hashlib.blake2b, struct.pack, int.from_bytes
+    for i in range(n):
+        digest = blake2b(pack("<Q", parent & _MASK64) + data[i * width : (i + 1) * width], digest_size=8).digest()
+        parent = from_bytes(digest, "little")
         hashes.append(parent)
     return hashes
