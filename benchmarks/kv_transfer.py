@@ -245,14 +245,15 @@ def main() -> None:
     ap.add_argument("--cases", default="smollm2_2k,llama8b_3k")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--chunk-bytes", default="",
-                    help="NIXL: comma-separated descriptor sizes in bytes; reruns the layer-wise case with each")
+                    help="NIXL: comma-separated descriptor sizes in bytes (0: runs not cut); reruns the layer-wise "
+                         "case with each")
     args = ap.parse_args()
     try:
         chunks = [int(c) for c in args.chunk_bytes.split(",") if c.strip()]
     except ValueError:
         sys.exit(f"kv_transfer benchmark: --chunk-bytes takes integers, got {args.chunk_bytes!r}")
-    if any(c <= 0 for c in chunks) or (chunks and args.backend != "nixl"):
-        sys.exit("kv_transfer benchmark: --chunk-bytes takes positive sizes and needs --backend nixl")
+    if any(c < 0 for c in chunks) or (chunks and args.backend != "nixl"):
+        sys.exit("kv_transfer benchmark: --chunk-bytes takes sizes >= 0 and needs --backend nixl")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("kv_transfer benchmark: --device cuda but no GPU is visible")
     send_dev = recv_dev = "cpu"
