@@ -35,6 +35,13 @@ class DecodeGraphs:
         self.slots.fill_(scratch_block * block_size)
         self.lens.fill_(1)
         self.tables = torch.full((n, max_blocks), scratch_block, dtype=torch.long, device=device)
+        # pinned host staging for those inputs, two sets taken in turn: a copy from pageable memory may wait for
+        # the stream, which would stall an overlapped step's launch behind the step in flight; a set is reused
+        # two steps later, when the step that read it has finished (its tokens were read before this launch)
+        self._staging = [(torch.empty(4 * n, dtype=torch.long, pin_memory=True),
+                          torch.empty(n * max_blocks, dtype=torch.long, pin_memory=True),
+                          torch.empty(2 * n, dtype=torch.long, pin_memory=True)) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -71,21 +78,26 @@ class DecodeGraphs:
         some rows' inputs (the overlapped step)."""
         n = batch.num_decodes
         b = next(x for x in self.buckets if x >= n)
-        pad = b - n
+        self._turn ^= 1
+        header_in, tables_in, feed_in = self._staging[self._turn]
         # ids, positions, slots and lengths of the bucket's rows in one copy; padded rows write to the
         # scratch slot and attend over one token (their block-table rows may be stale: they are never used)
-        header = torch.tensor([*batch.input_ids, *([0] * pad), *batch.positions, *([0] * pad),
-                               *batch.slot_mapping, *([self.scratch * self.block_size] * pad),
-                               *batch.decode_seq_lens, *([1] * pad)], dtype=torch.long)
-        self.header.view(4, -1)[:, :b].copy_(header.view(4, b), non_blocking=True)
+        header = header_in[: 4 * b].view(4, b)
+        rows = header.numpy()
+        rows[0, :n], rows[1, :n], rows[2, :n], rows[3, :n] = (batch.input_ids, batch.positions, batch.slot_mapping,
+                                                              batch.decode_seq_lens)
+        rows[:, n:] = np.array([[0], [0], [self.scratch * self.block_size], [1]])
+        self.header.view(4, -1)[:, :b].copy_(header, non_blocking=True)
         tables = batch.decode_block_tables
         width = max(len(t) for t in tables)
-        padded = np.full((n, width), self.scratch, dtype=np.int64)  # row-wise numpy fill: 2x a nested torch.tensor
-        for i, t in enumerate(tables):
-            padded[i, :len(t)] = t
-        self.tables[:n, :width].copy_(torch.from_numpy(padded), non_blocking=True)
+        padded = tables_in[: n * width].view(n, width)
+        table_rows = padded.numpy()
+        table_rows.fill(self.scratch)
+        for i, t in enumerate(tables):  # row-wise numpy fill: 2x a nested torch.tensor
+            table_rows[i, :len(t)] = t
+        self.tables[:n, :width].copy_(padded, non_blocking=True)
         if feed is not None:
-            feed.apply(self.input_ids)
+            feed.apply(self.input_ids, feed_in)
         graph, out = self.graphs[b]
         graph.replay()
         return out[:n]

@@ -38,8 +38,16 @@ class Feed:
     src: list[int]
     tokens: torch.Tensor  # [m] int64 on the device
 
-    def apply(self, input_ids: torch.Tensor) -> None:
-        idx = torch.tensor([self.rows, self.src], dtype=torch.long).to(input_ids.device, non_blocking=True)
+    def apply(self, input_ids: torch.Tensor, staging: torch.Tensor | None = None) -> None:
+        """Write the fed tokens into `input_ids` (on its device); `staging`: a pinned host buffer of at least
+        2 * len(rows) for the indices, so their copy never waits for the stream."""
+        m = len(self.rows)
+        if staging is None:
+            idx = torch.tensor([self.rows, self.src], dtype=torch.long)
+        else:
+            idx = staging[: 2 * m].view(2, m)
+            idx.numpy()[:] = (self.rows, self.src)
+        idx = idx.to(input_ids.device, non_blocking=True)
         input_ids.index_copy_(0, idx[0], self.tokens.index_select(0, idx[1]))
 
 
