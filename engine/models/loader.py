@@ -33,7 +33,9 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, 
         model = CausalLM(arch, max_position)
     if parallel is not None:
         shard_model(model, parallel)
-    model = model.to_empty(device=device).to(dtype)
+    # the dtype is set on the meta model, so the device holds only the final weights: allocating float32 and
+    # converting after left the float32 copy (twice the model) in the caching allocator's reserve
+    model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     model.rotary.build_tables(device)  # float32 tables, computed on the device
     if dummy:
