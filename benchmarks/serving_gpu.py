@@ -216,8 +216,8 @@ def stage_means_ms(before: dict[str, float], after: dict[str, float]) -> dict:
                 stages[stage] = round(1e3 * total / n, 3) if n else None
         out[role] = stages
     dec, pre = out["decode"], out["prefill"]
-    admitted = f'{STAGE_METRICS["decode"]}_count{{stage="admit"}}'
-    out["requests"] = int(after.get(admitted, 0.0) - before.get(admitted, 0.0))
+    firsts = f'{STAGE_METRICS["decode"]}_count{{stage="first_token"}}'
+    out["requests"] = int(after.get(firsts, 0.0) - before.get(firsts, 0.0))
     if dec.get("prefill") is not None and pre and None not in pre.values():
         out["rpc_hops"] = round(dec["prefill"] - sum(pre.values()), 3)
     return out

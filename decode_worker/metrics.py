@@ -24,7 +24,7 @@ HANDOVER_STAGES = (
     "ticket",        # -> Prefill RPC issued (ticket expected by the KV agent)
     "prefill",       # -> Prefill reply received (the prefill worker's whole time and the gRPC hop)
     "kv_wait",       # -> KV landed (the transfer's tail exposed after the reply; ~0 when it landed first)
-    "admit",         # -> admitted in the engine, first token out
+    "first_token",   # -> first token sent on (as soon as the KV landed; the engine admits the request after)
     "first_decode",  # -> first decoded token out (the second output token; only requests that decode)
 )
 
@@ -39,14 +39,14 @@ class HandoverTimeline:
     sent: float = 0.0
     replied: float = 0.0
     landed: float = 0.0
-    admitted: float = 0.0
+    first_token: float = 0.0
 
-    def observe_admitted(self, now: float) -> None:
-        """The first token is out: observe every stage up to admission."""
-        self.admitted = now
+    def observe_first_token(self, now: float) -> None:
+        """The first token is out: observe every stage up to it."""
+        self.first_token = now
         marks = (self.received, self.reserved, self.sent, self.replied, self.landed, now)
         for stage, start, end in zip(HANDOVER_STAGES[:-1], marks[:-1], marks[1:], strict=True):
             HANDOVER_STAGE.labels(stage).observe(end - start)
 
     def observe_first_decode(self, now: float) -> None:
-        HANDOVER_STAGE.labels("first_decode").observe(now - self.admitted)
+        HANDOVER_STAGE.labels("first_decode").observe(now - self.first_token)

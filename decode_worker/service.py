@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -114,10 +115,10 @@ class DecodeService:
             if first:
                 first = False
                 if timeline is not None:
-                    timeline.observe_admitted(time.monotonic())
+                    timeline.observe_first_token(time.monotonic())
                 PROMPT_TOKENS.inc(out.num_prompt_tokens)
                 PREFIX_HIT_TOKENS.inc(out.num_cached_tokens)
-            elif timeline is not None:  # the first decoded token ends the handover's timeline
+            elif timeline is not None and out.new_token_ids:  # the first decoded token ends the timeline
                 timeline.observe_first_decode(time.monotonic())
                 timeline = None
             if out.finished:  # counted before the last message: the caller may hang up once it has it
@@ -172,7 +173,30 @@ class DecodeService:
         self._warned.discard(peer)
         REMOTE_PREFILL.labels("ok").inc()
         lp = logprob_from_pb(resp.first_logprob) if resp.has_logprob else None
-        return self.engine.stream_remote(rid, resp.first_token_id, lp), True
+        first = RequestOutput(rid, [resp.first_token_id], [lp] if lp is not None else [],
+                              num_prompt_tokens=len(prompt), num_cached_tokens=cached, num_output_tokens=1)
+        return self._first_then(first, self.engine.stream_remote(rid, resp.first_token_id, lp)), True
+
+    async def _first_then(self, first: RequestOutput,
+                          stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        """The first token as soon as its KV has landed, then the engine's stream from the request's admission
+        on (its first output repeats that token, so it goes on without it, and only if it ends the request).
+        The admission no longer delays the first token."""
+        admitted = False
+        try:
+            yield first
+            admitted = True
+            repeat = True
+            async for out in stream:
+                if repeat:
+                    repeat = False
+                    out = dataclasses.replace(out, new_token_ids=[], new_logprobs=[])
+                    if not out.finished:
+                        continue
+                yield out
+        finally:
+            if not admitted:  # the caller left after the first token: the reserved blocks go too
+                self._tasks.spawn(self.engine.abort(first.request_id), f"abort {first.request_id}")
 
     async def _free_after(self, rid: str, call) -> None:
         """Free a failed reservation once the prefill call is over (a late write can no longer land)."""

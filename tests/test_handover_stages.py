@@ -83,6 +83,34 @@ def test_each_stage_observed_once_per_remote_prefill_and_within_its_latency(disa
                                                                                            stage=s)
 
 
+def test_first_token_before_admission_and_a_client_leaving_after_it_leaves_no_blocks(disagg):
+    """The decode worker sends the first token on once the KV landed, before its engine admits the request; a
+    client that hangs up right after that token leaves no request and no block behind on the decode worker."""
+    rng = random.Random(1)
+    body = {"model": "smollm2", "prompt": [rng.randrange(100, 40000) for _ in range(THRESHOLD * 2)],
+            "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+    first_before = metric_sum(disagg.metrics("decode"), "splitserve_handover_stage_seconds_count",
+                              stage="first_token")
+    for _ in range(3):
+        with httpx.stream("POST", disagg.url + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # the first token: hang up
+        body["prompt"] = body["prompt"][1:] + [rng.randrange(100, 40000)]
+    deadline = time.monotonic() + 60
+    while True:
+        metrics = disagg.metrics("decode")
+        busy = (metric_sum(metrics, "splitserve_worker_running_requests"),
+                metric_sum(metrics, "splitserve_worker_waiting_requests"),
+                metric_sum(metrics, "splitserve_worker_kv_blocks_used"))
+        if busy == (0, 0, 0):
+            break
+        assert time.monotonic() < deadline, f"decode worker still holds (running, waiting, blocks) {busy}"
+        time.sleep(0.2)
+    assert metric_sum(metrics, "splitserve_handover_stage_seconds_count", stage="first_token") - first_before == 3
+
+
 def test_stage_series_stay_on_their_roles(disagg):
     """Each worker lists only its own role's stages (all of them, observed or not); the gateway lists neither."""
     decode, prefill, gateway = disagg.metrics("decode"), disagg.metrics("prefill"), scrape(disagg.url)
