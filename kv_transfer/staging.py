@@ -32,7 +32,9 @@ class StagingRing:
         self.nixl = nixl
         self.buf = torch.empty(size, dtype=torch.uint8, device=layout.device)
         self.reg = nixl.register_memory(nixl.get_reg_descs([self.buf]))
-        self.stream = torch.cuda.Stream(layout.device) if layout.is_cuda else None
+        # a high-priority stream: the copies are small, and the prefill's big kernels on the same GPU would
+        # otherwise keep them (and every write waiting on them) queued behind whole waves of blocks
+        self.stream = torch.cuda.Stream(layout.device, priority=-1) if layout.is_cuda else None
         self.size = size
         self._slots: deque[_Slot] = deque()
         self._lock = threading.Lock()
