@@ -166,13 +166,35 @@ def decode_steps(engine, batch: int, context: int, steps: int = 20, overlap: boo
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
+    # on the device's clock: each step's inputs-and-replay span, and the idle gap before it (the host's share)
+    graphs = engine.runner.graphs
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    real_run = graphs.run if graphs is not None else None
+
+    def timed_run(batch, feed=None):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = real_run(batch, feed)
+        end.record()
+        spans.append((begin, end))
+        return out
+
+    if graphs is not None:
+        graphs.run = timed_run
     ts = []
-    for _ in range(3):  # three windows of steps/3 steps each; the median window
-        t0 = time.perf_counter()
-        for _ in range(steps // 3):
-            engine.step()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) / (steps // 3))
+    try:
+        for _ in range(3):  # three windows of steps/3 steps each; the median window
+            t0 = time.perf_counter()
+            for _ in range(steps // 3):
+                engine.step()
+            torch.cuda.synchronize()
+            ts.append((time.perf_counter() - t0) / (steps // 3))
+    finally:
+        if graphs is not None:
+            del graphs.run  # the instance attribute: the method again
+    gaps = [a[1].elapsed_time(b[0]) for a, b in zip(spans, spans[1:], strict=False)]
+    engine.last_gpu_gap_ms = statistics.median(gaps) if gaps else None
+    engine.last_gpu_span_ms = statistics.median(a.elapsed_time(b) for a, b in spans) if spans else None
     graph_ms = None
     graphs = engine.runner.graphs
     # GPU time alone: replay the bucket's graph (one process only: a sharded graph waits on its peers)
@@ -249,9 +271,12 @@ def main() -> None:
             res["decode"].append({"batch": b, "context": args.context, "step_ms": step * 1e3, "floor_ms": floor * 1e3,
                                   "bw_util": floor / step, "graph_replay_ms": gms,
                                   "step_no_overlap_ms": serial * 1e3,
-                                  "step_over_replay": step * 1e3 / gms if gms else None})
+                                  "step_over_replay": step * 1e3 / gms if gms else None,
+                                  "gpu_span_ms": eng.last_gpu_span_ms, "gpu_gap_ms": eng.last_gpu_gap_ms})
             print(f"decode batch {b:>4}: {step * 1e3:8.2f} ms/step ({serial * 1e3:.2f} without overlap; GPU graph "
-                  f"alone {gms or 0:.2f} ms), floor {floor * 1e3:6.2f} ms, util {floor / step:.2f}", flush=True)
+                  f"alone {gms or 0:.2f} ms; per step on the GPU {eng.last_gpu_span_ms or 0:.2f} ms, idle between "
+                  f"steps {eng.last_gpu_gap_ms or 0:.3f} ms), floor {floor * 1e3:6.2f} ms, util {floor / step:.2f}",
+                  flush=True)
     if "prefill" not in skip:
         res["prefill"] = []
         # matmul parameters: everything but the embedding table and the LM head (run for the last token only)
