@@ -28,9 +28,9 @@ def _needs_nixl():
 
 @pytest.fixture
 def nb(monkeypatch):
-    from splitserve.kv_transfer import nixl_backend
+    from splitserve.kv_transfer import nixl_backend, nixl_channel
 
-    monkeypatch.setattr(nixl_backend, "PROGRESS_S", 0.0)  # the request's notice only
+    monkeypatch.setattr(nixl_channel, "PROGRESS_S", 0.0)  # the request's notice only
     monkeypatch.setattr(nixl_backend, "CHUNK_BYTES", 3 * BLOCK_BYTES)
     return nixl_backend
 
@@ -144,7 +144,9 @@ def test_head_slabs_land_through_a_small_staging_ring_with_one_notice_per_route(
 
 def test_a_layer_never_final_leaves_the_request_to_its_deadline(nb, monkeypatch):
     """Progress notices name landed layers, but the request completes only on the request's notice."""
-    monkeypatch.setattr(nb, "PROGRESS_S", 1e-3)
+    from splitserve.kv_transfer import nixl_channel
+
+    monkeypatch.setattr(nixl_channel, "PROGRESS_S", 1e-3)
     recv = make_agent("nixl", KVLayout(kv(HEADS, None)))
     send = make_agent("nixl", KVLayout(kv(HEADS, 7)))
     try:
