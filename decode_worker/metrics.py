@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
-from splitserve.common.worker_metrics import STAGE_BUCKETS
-
 LOCAL_PREFILL = Counter("splitserve_local_prefill", "Prompts the decode worker prefilled itself", ["reason"])
 REMOTE_PREFILL = Counter("splitserve_remote_prefill", "Prompts whose KV came from a prefill worker", ["outcome"])
 LOCAL_PREFILL_REASONS = ("short_prompt", "fallback", "no_prefill_worker", "no_free_blocks", "unknown_prefill_worker")
 
+# seconds; from 0.1 ms: most stages of an idle handover are well under a millisecond
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                 2.5, 5, 10, 30)
 HANDOVER_STAGE = Histogram(
     "splitserve_handover_stage_seconds",
     "Time a remotely prefilled request spent in each stage of its handover on the decode worker",

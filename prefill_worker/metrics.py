@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from prometheus_client import Histogram
 
-from splitserve.common.worker_metrics import STAGE_BUCKETS
-
+# seconds; from 0.1 ms: the stages around the compute are well under a millisecond on an idle worker
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                 2.5, 5, 10, 30)
 PREFILL_STAGE = Histogram(
     "splitserve_prefill_stage_seconds",
     "Time a Prefill call that succeeded spent in each stage on the prefill worker",

@@ -14,8 +14,3 @@ HEALTH_FLAPS = Counter("splitserve_health_flaps", "Times this worker, once servi
 PROMPT_TOKENS = Counter("splitserve_worker_prompt_tokens", "Prompt tokens of requests this worker served")
 PREFIX_HIT_TOKENS = Counter("splitserve_worker_prefix_hit_tokens",
                             "Prompt tokens this worker found in its own prefix cache (not computed, not received)")
-
-# seconds, for the handover's stage histograms (decode and prefill workers): from 0.1 ms, since most stages of
-# an idle handover are well under a millisecond, to the 30 s transfer deadline
-STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                 2.5, 5, 10, 30)
