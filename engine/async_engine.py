@@ -73,7 +73,10 @@ class AsyncEngine:
         with self._lock:
             ids = list(self._queues)
         for rid in ids:
-            self.engine.abort_request(rid)
+            try:  # a device that failed the step may fail this too (reading a step in flight): answer anyway
+                self.engine.abort_request(rid)
+            except Exception as e:
+                log.warning("abort of %s after the failed step failed too: %s", rid, e)
             self._deliver(RequestOutput(rid, [], finished=True, finish_reason="error", error=message))
 
     def _deliver(self, out: RequestOutput) -> None:
