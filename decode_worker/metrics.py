@@ -7,13 +7,12 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
+from splitserve.common.stages import STAGE_BUCKETS, observe_stages
+
 LOCAL_PREFILL = Counter("splitserve_local_prefill", "Prompts the decode worker prefilled itself", ["reason"])
 REMOTE_PREFILL = Counter("splitserve_remote_prefill", "Prompts whose KV came from a prefill worker", ["outcome"])
 LOCAL_PREFILL_REASONS = ("short_prompt", "fallback", "no_prefill_worker", "no_free_blocks", "unknown_prefill_worker")
 
-# seconds; from 0.1 ms: most stages of an idle handover are well under a millisecond
-STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                 2.5, 5, 10, 30)
 HANDOVER_STAGE = Histogram(
     "splitserve_handover_stage_seconds",
     "Time a remotely prefilled request spent in each stage of its handover on the decode worker",
@@ -44,9 +43,8 @@ class HandoverTimeline:
     def observe_first_token(self, now: float) -> None:
         """The first token is out: observe every stage up to it."""
         self.first_token = now
-        marks = (self.received, self.reserved, self.sent, self.replied, self.landed, now)
-        for stage, start, end in zip(HANDOVER_STAGES[:-1], marks[:-1], marks[1:], strict=True):
-            HANDOVER_STAGE.labels(stage).observe(end - start)
+        observe_stages(HANDOVER_STAGE, HANDOVER_STAGES[:-1],
+                       (self.received, self.reserved, self.sent, self.replied, self.landed, now))
 
     def observe_first_decode(self, now: float) -> None:
         HANDOVER_STAGE.labels("first_decode").observe(now - self.first_token)

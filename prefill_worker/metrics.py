@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 from prometheus_client import Histogram
 
-# seconds; from 0.1 ms: the stages around the compute are well under a millisecond on an idle worker
-STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                 2.5, 5, 10, 30)
+from splitserve.common.stages import STAGE_BUCKETS, observe_stages
+
 PREFILL_STAGE = Histogram(
     "splitserve_prefill_stage_seconds",
     "Time a Prefill call that succeeded spent in each stage on the prefill worker",
@@ -33,6 +32,4 @@ class PrefillTimeline:
     sent: float = 0.0
 
     def observe_replied(self, now: float) -> None:
-        marks = (self.received, self.scheduled, self.computed, self.sent, now)
-        for stage, start, end in zip(PREFILL_STAGES, marks[:-1], marks[1:], strict=True):
-            PREFILL_STAGE.labels(stage).observe(end - start)
+        observe_stages(PREFILL_STAGE, PREFILL_STAGES, (self.received, self.scheduled, self.computed, self.sent, now))

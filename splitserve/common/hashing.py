@@ -29,25 +29,25 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], salt: s
     `salt` is used).
     """
     parent = root_hash(salt) if parent_hash is None else parent_hash
-    payload = struct.pack("<Q", parent & _MASK64) + np.asarray(token_ids, dtype="<i8").tobytes()
-    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+    return _chain(parent, np.asarray(token_ids, dtype="<i8").tobytes())
 
 
 def hash_token_blocks(
     token_ids: Sequence[int], block_size: int, salt: str = "", parent_hash: int | None = None
 ) -> list[int]:
-    """Hashes of every full block of `token_ids` (a trailing partial block gets none)."""
+    """Hashes of every full block of `token_ids` (a trailing partial block gets none): `hash_block_tokens`
+    chained, with the token ids converted to bytes once rather than per block."""
     n = len(token_ids) // block_size
-    if n == 0:
-        return []
-    # the same bytes as `hash_block_tokens`, with the token ids converted once rather than per block
     data = np.asarray(token_ids[: n * block_size], dtype="<i8").tobytes()
     width = 8 * block_size
     parent = root_hash(salt) if parent_hash is None else parent_hash
     hashes: list[int] = []
-    blake2b, pack, from_bytes = hashlib.blake2b, struct.pack, int.from_bytes
     for i in range(n):
-        digest = blake2b(pack("<Q", parent & _MASK64) + data[i * width : (i + 1) * width], digest_size=8).digest()
-        parent = from_bytes(digest, "little")
+        parent = _chain(parent, data[i * width : (i + 1) * width])
         hashes.append(parent)
     return hashes
+
+
+def _chain(parent: int, token_bytes: bytes) -> int:
+    payload = struct.pack("<Q", parent & _MASK64) + token_bytes
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
