@@ -57,6 +57,10 @@ def _digest(kv, blocks) -> float:
     return float(sum(t[blocks].float().sum().item() for pair in kv for t in pair))
 
 
+def _verified(digest: float, expected: float) -> bool:
+    return abs(digest - expected) <= 1e-6 * max(1.0, abs(expected))
+
+
 def receiver_main(backend: str, device: str, case: str) -> None:
     """The child: one JSON line per command on stdin, one reply line per command on the original stdout."""
     from splitserve.kv_transfer import KVLayout, make_agent
@@ -179,7 +183,7 @@ def _sweep(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: in
             runs = [_one(receiver, agent, layers, src, f"{case}-sweep{chunk}-{i}", "layerwise") for i in range(reps)]
             t = statistics.median(r["total"] for r in runs)
             out.append({"chunk_bytes": chunk, "layerwise_ms": t * 1e3, "layerwise_gbps": nbytes / t / 1e9,
-                        "verified": abs(digest - expected) <= 1e-6 * max(1.0, abs(expected)),
+                        "verified": _verified(digest, expected),
                         **{k: runs[-1][k] for k in ("xfers", "descs", "notifs")}})
     finally:
         nixl_backend.CHUNK_BYTES = default
@@ -187,7 +191,6 @@ def _sweep(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: in
 
 
 def _measure(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: int, reps: int) -> dict:
-
     layers, nblocks = len(kv), CASES[case][3] // BLOCK
     src = list(range(2, 2 + nblocks))
     counter = iter(range(10**6))
@@ -199,7 +202,7 @@ def _measure(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: 
     one("whole")  # warm-up: connections, remote-agent handshake
     digest = one("whole", verify=True)["digest"]
     expected = _digest(kv, src)
-    out["verified"] = abs(digest - expected) <= 1e-6 * max(1.0, abs(expected))
+    out["verified"] = _verified(digest, expected)
     whole = [one("whole") for _ in range(reps)]
     lw = [one("layerwise") for _ in range(reps)]
     whole_s = statistics.median(r["total"] for r in whole)

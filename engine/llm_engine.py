@@ -122,8 +122,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request wherever it is (held blocks are released too); None if it was unknown or done."""
         self._settle()
-        live = self.scheduler.requests.get(request_id)
-        live = live is not None and not live.is_finished
+        known = self.scheduler.requests.get(request_id)
+        live = known is not None and not known.is_finished
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.runner.sampler.forget(request_id)
         if not live or request is None or request.status != RequestStatus.FINISHED_ABORTED:

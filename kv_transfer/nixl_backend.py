@@ -227,17 +227,16 @@ class NixlBackend:
         # staged); one descriptor per token when the receiver holds more
         per_token = route.num_heads != rank.num_heads
         staged = not per_token and route.num_heads != layout.num_heads
+        bb = layout.block_size * route.num_heads * layout.head_bytes  # bytes of one block of the route's heads
         if staged:
             ring = self.staging()
-            bb = layout.block_size * route.num_heads * layout.head_bytes  # bytes of one block of the slab
             local = ring.prep(bb, self.mem_type, self.dev_id)
         else:
             ring, local = None, self.local_prep(route.src_offset, route.num_heads, per_token)
         remote = self._remote_prep(ticket, rank, route.dst_offset, route.num_heads, per_token)
         if CHUNK_BYTES < 0:
             raise ValueError(f"SPLITSERVE_NIXL_CHUNK_BYTES must be 0 (no cut) or positive, got {CHUNK_BYTES}")
-        block_bytes = layout.block_size * route.num_heads * layout.head_bytes
-        chunk = max(1, CHUNK_BYTES // block_bytes) if CHUNK_BYTES else 1 << 31  # blocks
+        chunk = max(1, CHUNK_BYTES // bb) if CHUNK_BYTES else 1 << 31  # blocks
         return NixlChannel(self, ticket, route, rank.agent, local, remote, per_token, ring, chunk)
 
     def close(self) -> None:
