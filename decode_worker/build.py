@@ -1,6 +1,7 @@
-"""A decode worker assembles itself from config: a KV transfer agent over the engine's KV cache (to receive
-prefill workers' KV) and the Generate service, whose prefill peers come from membership. A colocated worker
-(`both`) is the same service without an agent: it always prefills locally."""
+"""A decode worker assembles itself from config: the native engine's decode-side handover (a KV transfer agent
+over the engine's KV cache, to receive prefill workers' KV) and the Generate service, whose prefill peers come
+from membership. A colocated worker (`both`) is the same service without a handover: it always prefills locally.
+With the KV pool, local prefills load what pays from it first (`PooledEngine`)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,17 @@ from splitserve.decode_worker.metrics import (
     LOCAL_PREFILL_REASONS,
 )
 from splitserve.decode_worker.service import DecodeService
+from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.interface import ServingEngine
 from splitserve.kv_transfer import metrics as kv_metrics
-from splitserve.kv_transfer.pool import make_pool
+from splitserve.kv_transfer.handover import NativeDecodeHandover
+from splitserve.kv_transfer.pool import KVPool, PooledEngine, make_pool
 from splitserve.kv_transfer.sharded import make_worker_agent
 
 log = logging.getLogger("splitserve.decode_worker")
 
 
-async def build(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext) -> DecodeService:
+async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeService:
     # one agent per tensor-parallel rank, each over its own KV shard, composed on this rank (rank 0)
     agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "decode")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
@@ -33,10 +36,20 @@ async def build(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext) ->
         LOCAL_PREFILL.labels(reason)
     for stage in HANDOVER_STAGES:  # only a decode worker hands over (a colocated one lists none)
         HANDOVER_STAGE.labels(stage)
-    return DecodeService(engine, agent, ctx.membership, spec.decode.disagg_threshold,
-                         spec.kv_transfer.timeout_seconds, make_pool(spec, engine, ctx, "decode"))
+    pool = make_pool(spec, engine, ctx, "decode")
+    return DecodeService(_serving(engine, pool), NativeDecodeHandover(engine, agent), ctx.membership,
+                         spec.decode.disagg_threshold, spec.kv_transfer.timeout_seconds, _owned(pool))
 
 
-async def build_colocated(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext) -> DecodeService:
-    return DecodeService(engine, None, ctx.membership, spec.decode.disagg_threshold,
-                         spec.kv_transfer.timeout_seconds, make_pool(spec, engine, ctx, "decode"))
+async def build_colocated(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeService:
+    pool = make_pool(spec, engine, ctx, "decode")
+    return DecodeService(_serving(engine, pool), None, ctx.membership, spec.decode.disagg_threshold,
+                         spec.kv_transfer.timeout_seconds, _owned(pool))
+
+
+def _serving(engine: AsyncEngine, pool: KVPool | None) -> ServingEngine:
+    return engine if pool is None else PooledEngine(engine, pool)
+
+
+def _owned(pool: KVPool | None) -> list[KVPool]:
+    return [] if pool is None else [pool]

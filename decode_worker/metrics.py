@@ -19,8 +19,8 @@ HANDOVER_STAGE = Histogram(
     ["stage"], buckets=STAGE_BUCKETS)
 # in order: each stage ends at the mark named beside it
 HANDOVER_STAGES = (
-    "reserve",       # Generate received -> KV blocks reserved
-    "ticket",        # -> Prefill RPC issued (ticket expected by the KV agent)
+    "reserve",       # Generate received -> KV blocks reserved (and their ticket published: the handover's reserve)
+    "ticket",        # -> Prefill RPC issued
     "prefill",       # -> Prefill reply received (the prefill worker's whole time and the gRPC hop)
     "kv_wait",       # -> KV landed (the transfer's tail exposed after the reply; ~0 when it landed first)
     "first_token",   # -> first token sent on (as soon as the KV landed; the engine admits the request after)

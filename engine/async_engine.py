@@ -1,4 +1,8 @@
-"""An asyncio face for the engine (`ServingEngine`): `step()` runs in its own thread; requests stream outputs back.
+"""An asyncio face for the engine: `step()` runs in its own thread; requests stream outputs back.
+
+It implements `ServingEngine` (what any role may use) and, for the native KV handover and KV pool only
+(`kv_transfer`), the engine's own block-level calls: reserving and admitting remote KV, blocks in and out by
+hash, held blocks, KV tensors and layer hooks. No role calls those.
 
 Everything that touches the engine runs on that thread (commands are queued and run between steps, in order),
 so the engine itself needs no locks. A caller cancelled while its command is still queued leaves no request
@@ -16,8 +20,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from splitserve.common.protocol import RequestIdInUse
 from splitserve.common.sampling import Logprob, SamplingParams
-from splitserve.engine.interface import KVEventListener, KVLayerHook
+from splitserve.engine.interface import KVEventListener
+from splitserve.engine.layer_hooks import KVLayerHook
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.parallel_link import RankLink
@@ -128,7 +134,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._queues:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise RequestIdInUse(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
         return queue
 

@@ -1,28 +1,25 @@
-"""What the serving roles may use of the engine, and nothing more: model facts, the KV layout, reserving and
-admitting remote KV, KV blocks in and out by hash (the KV pool), the KV block events, and per-layer hooks (any
-number of consumers).
+"""The seams between the roles and an engine: what a role may ask of any engine, and nothing more.
 
-`AsyncEngine` implements `ServingEngine`; the prefill and decode services are written against this protocol,
-so they never reach into the engine's runner, scheduler or cache tensors by attribute.
+- `ServingEngine`: model facts, generate, abort, stats, shutdown, and the KV block events (every engine has a
+  prefix cache, and the cluster's KV index is built from its events, whichever role runs it).
+- The KV handover, its own pair: the decode side (`DecodeHandover`: reserve → opaque ticket, landed, admit,
+  cancel) and the prefill side (`PrefillHandover`: run with a ticket). The ticket is bytes the two sides'
+  implementations agree on; the roles only carry it.
+
+No engine's internals (block ids, KV tensors, layer hooks) cross these protocols: the native engine
+(`AsyncEngine`) and its KV transfer (`kv_transfer.handover`) implement them, and keep their own
+engine-specific calls off them (the layer hooks are `engine.layer_hooks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Literal, Protocol
 
+from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling import Logprob, SamplingParams
-from splitserve.engine.block_pool import KVCacheEvent
-from splitserve.engine.config import KVCacheSpec
 from splitserve.engine.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    import torch
-
-    from splitserve.engine.parallel import KVShard
-    from splitserve.engine.parallel_link import RankLink
-    from splitserve.engine.scheduler import ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -35,77 +32,106 @@ class ModelFacts:
     eos_token_ids: frozenset[int]
     tensor_parallel_size: int
     device: str  # cpu | cuda:N
-
-
-class KVLayerHook(Protocol):
-    """A consumer of each step's KV writes (the KV streamer of a prefill worker, a KV pool writer, ...).
-
-    Every hook's `on_step_begin` runs before the forward pass; it returns True when it wants
-    `on_layer_written(i)` for this step (which then runs eagerly, not as a CUDA graph). On CUDA a layer's write
-    is queued on the current stream, so a hook that hands the memory to another stream or agent records a CUDA
-    event and waits on it before reading. Hooks run on the engine thread and must not block.
-
-    Under tensor parallelism each rank holds a shard of the KV heads, so a hook must also say what the other
-    ranks do in the step: `rank_plan()` (called after a True `on_step_begin`) returns ints that travel with
-    the step to every follower's KV connector (`parallel.rank_connector`); hooks without it are refused.
-    """
-
-    def on_step_begin(self, scheduled: list[ScheduledRequest]) -> bool: ...
-
-    def on_layer_written(self, layer_idx: int) -> None: ...
-
-    def on_step_end(self, scheduled: list[ScheduledRequest]) -> None: ...
+    block_size: int = 16  # tokens per KV block (the unit of its block hashes and events)
+    num_kv_blocks: int = 0  # KV blocks of its cache (capacity, as the router's load view counts it)
 
 
 KVEventListener = Callable[[KVCacheEvent], None]
 
 
 class ServingEngine(Protocol):
-    """The engine as a prefill or decode service uses it (everything async runs on the service's loop)."""
+    """The engine as a role uses it (everything async runs on the role's loop)."""
 
     facts: ModelFacts
-    kv_spec: KVCacheSpec
-    kv_shard: KVShard  # which KV heads rank 0 (this process) holds, of how many, over how many ranks
     dead: bool  # no step can run any more (the worker should be restarted)
 
-    def kv_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]: what transfer agents register."""
-        ...
-
-    def follower_links(self) -> list[RankLink]:
-        """Under tensor parallelism, message links to ranks 1..N-1 (their KV connectors); else empty."""
-        ...
-
-    def add_layer_hook(self, hook: KVLayerHook) -> None: ...
-
     def add_kv_event_listener(self, listener: KVEventListener) -> None:
-        """Called on the engine thread with every BlockStored / BlockRemoved / AllBlocksCleared; must not block."""
+        """Called on the engine's thread with every BlockStored / BlockRemoved / AllBlocksCleared; must not block."""
         ...
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 priority: int = 0, hold_blocks: bool = False) -> AsyncIterator[RequestOutput]: ...
-
-    async def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                             priority: int = 0, hold_blocks: bool = False) -> tuple[list[int], int] | None: ...
-
-    async def export_blocks(self, block_hashes: Sequence[int]) -> tuple[list[int], torch.Tensor]:
-        """Copies of cached blocks by hash (those still cached), as bytes: [n, bytes per block]."""
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; leaving the iterator early (or cancellation) aborts it."""
         ...
-
-    def stream_loaded(self, request_id: str, first_block: int,
-                      data: torch.Tensor) -> AsyncIterator[RequestOutput]:
-        """Write loaded KV into a reserved request's blocks from `first_block`, admit it, stream its outputs."""
-        ...
-
-    def stream_remote(self, request_id: str, first_token_id: int,
-                      first_logprob: Logprob | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
-
-    async def release(self, request_id: str) -> bool: ...
 
     def stats(self) -> dict[str, int]:
         """Counters as of the engine's last step (never waits for a step to end)."""
         ...
 
     def shutdown(self) -> None: ...
+
+
+# == the KV handover ============================================================================================
+class HandoverFailed(Exception):
+    """A remote prefill's KV did not arrive (peer gone, deadline, bad data): the decode side prefills locally."""
+
+
+class BadTicket(HandoverFailed, ValueError):
+    """A ticket that does not parse, or does not fit this engine or this request (a caller's error)."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The decode side's answer to `reserve`: a ticket for the prefill side, or why it prefills locally."""
+
+    ticket: bytes | None  # opaque; None: nothing is reserved (see `refused`)
+    num_cached_tokens: int = 0  # prompt tokens this engine already holds (its prefix cache)
+    refused: Literal["", "no_free_blocks", "short_prompt"] = ""
+
+
+class DecodeHandover(Protocol):
+    """The decode side: reserve room for a prompt's KV, learn when it landed, then admit the request.
+
+    It owns the reserved blocks from `reserve` on: after `cancel` it frees them once the prefill call has ended
+    and no write of the transfer can land any more (never earlier), so the caller never waits for that.
+    """
+
+    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                      priority: int = 0, *, min_remote_tokens: int = 1, timeout_s: float = 30.0) -> Reservation:
+        """Reserve blocks and publish a ticket, valid for `timeout_s`, when at least `min_remote_tokens` prompt
+        tokens would arrive from outside; otherwise reserve nothing."""
+        ...
+
+    async def landed(self, request_id: str) -> None:
+        """Until the reserved request's KV landed; raises `HandoverFailed` (then `cancel` it)."""
+        ...
+
+    def admit(self, request_id: str, first_token_id: int,
+              first_logprob: Logprob | None = None) -> AsyncIterator[RequestOutput]:
+        """The KV landed: the request joins the batch after `first_token_id`; streams its outputs from there."""
+        ...
+
+    def cancel(self, request_id: str, prefill: Awaitable[object] | None = None) -> None:
+        """Give the reservation up (at any point before `admit`). Its blocks are freed once `prefill` (the
+        prefill call's task or future, if one was made; the caller cancels it or has its outcome) has ended and
+        the transfer can no longer write; returns at once."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprob: Logprob | None
+    num_cached_tokens: int  # prompt tokens the prefill side found cached (not computed)
+    kv_bytes: int  # bytes sent
+    # time.monotonic() marks, seconds: first scheduled, prompt computed (every layer queued), every write done
+    scheduled: float
+    computed: float
+    sent: float
+
+
+class PrefillHandover(Protocol):
+    """The prefill side: compute a prompt and put its KV where the ticket says."""
+
+    async def run(self, ticket: bytes, request_id: str, prompt_token_ids: Sequence[int],
+                  params: SamplingParams) -> PrefillResult:
+        """Raises `BadTicket` before anything runs when the ticket does not fit, `HandoverFailed` when the
+        prompt or its transfer failed; cancelled, it stops writing into the ticket's blocks."""
+        ...
+
+    async def close(self) -> None: ...
+

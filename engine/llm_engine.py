@@ -16,7 +16,8 @@ from splitserve.common.sampling import Logprob, SamplingParams
 from splitserve.common.text import IncrementalDetokenizer, Tokenizer
 from splitserve.engine.block_pool import KVCacheEvent
 from splitserve.engine.config import EngineConfig, KVCacheSpec
-from splitserve.engine.interface import KVEventListener, KVLayerHook, ModelFacts
+from splitserve.engine.interface import KVEventListener, ModelFacts
+from splitserve.engine.layer_hooks import KVLayerHook
 from splitserve.engine.loading import build_runner, rank_device
 from splitserve.engine.model_runner import DTYPES, InFlight
 from splitserve.engine.models.loader import load_arch
@@ -62,7 +63,7 @@ class LLMEngine:
         eos = set(self.arch.eos_token_ids) | (set(self.tokenizer.eos_token_ids) if self.tokenizer else set())
         self.eos_token_ids = frozenset(eos)
         self.facts = ModelFacts(self.model_name, self.arch.vocab_size, self.max_model_len, self.eos_token_ids,
-                                config.parallel.tensor_parallel_size, str(self.device))
+                                config.parallel.tensor_parallel_size, str(self.device), block_size, num_blocks)
         self.layer_hooks: list[KVLayerHook] = []
         # Overlapped decode: a step of greedy decodes is launched before the previous one's tokens are read, so
         # the host's scheduling and output work hides behind the device. On CPU a "launch" is the whole step, so

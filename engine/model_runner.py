@@ -19,7 +19,7 @@ from splitserve.engine.scheduler import SampledToken, ScheduledRequest, Schedule
 from splitserve.engine.step_batch import Feed, PrefillChunk, StepBatch, send_step
 
 if TYPE_CHECKING:
-    from splitserve.engine.interface import KVLayerHook
+    from splitserve.engine.layer_hooks import KVLayerHook
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

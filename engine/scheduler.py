@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from splitserve.common.protocol import RequestIdInUse
 from splitserve.engine.block_pool import BlockPool, KVCacheEvent
 from splitserve.engine.config import CacheConfig, SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
@@ -87,7 +88,7 @@ class Scheduler:
 
     def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise RequestIdInUse(f"request id {request.request_id!r} is already in use")
         if not request.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         if request.num_prompt_tokens >= self.max_model_len:

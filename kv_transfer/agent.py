@@ -1,8 +1,16 @@
-"""The transfer agent: receiver bookkeeping (tickets, per-layer progress, deadlines) and send sessions.
+"""The transfer agent: receiver bookkeeping (tickets, per-layer progress, deadlines), and the sender thread its
+send sessions (`send_session.SendSession`) write on.
 
 The backend moves bytes; this module decides what is expected, what is done and what failed. Every pending
 transfer ends in exactly one of: done, TransferTimeout, TransferError, TransferCancelled — and is then
 forgotten, so nothing stays reserved here.
+
+A transfer that ended before every byte landed may still have writes under way; `quiet(request_id)` says when
+none can land any more, so its blocks can be freed. A backend that writes on the receiver's side (tcp) counts
+its frames in progress (`begin_write` / `end_write`): quiet once the last one ends (no new frame is taken after
+the end). A one-sided backend (nixl: the sender writes our memory) reports each sender's word that it stopped
+(`sender_stopped`: its abort notice, or its request notice after every write completed): quiet once every
+sender said so, or at the ticket's deadline, after which no sender posts a write.
 
 One agent serves one rank's KV shard (`KVLayout.shard`). As a receiver it counts, per layer, the final K and V
 writes of every sender routed to it (`Route.num_src`: several prefill ranks write into one decode rank when
@@ -14,6 +22,7 @@ the prefill worker has the larger tensor-parallel size). As a sender it writes o
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import queue
 import threading
@@ -24,8 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
+from splitserve.common.latch import Latch
 from splitserve.kv_transfer import metrics
 from splitserve.kv_transfer.errors import (
     MalformedTicket,
@@ -33,7 +41,8 @@ from splitserve.kv_transfer.errors import (
     TransferError,
     TransferTimeout,
 )
-from splitserve.kv_transfer.layout import KVLayout, coalesce
+from splitserve.kv_transfer.layout import KVLayout
+from splitserve.kv_transfer.send_session import SendSession
 from splitserve.kv_transfer.shards import Route, plan_routes
 from splitserve.kv_transfer.ticket import RankEndpoint, TransferTicket
 
@@ -63,6 +72,7 @@ class Channel(Protocol):
 
 class Backend(Protocol):
     name: str
+    one_sided: bool  # senders write our memory directly (we see notices, not writes)
 
     def start(self, agent: KVTransferAgent) -> None: ...
 
@@ -97,6 +107,9 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     error: TransferError | None = None
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = field(default_factory=list)
+    writing: int = 0  # frames being written into its blocks on our side right now (receiver-side backends)
+    stopped: int = 0  # senders that said they stopped writing (one-sided backends)
+    quiet: Latch = field(default_factory=Latch)  # set once no write of it can land any more
 
 
 class KVTransferAgent:
@@ -111,6 +124,8 @@ class KVTransferAgent:
         self._expected = threading.Condition(self._lock)  # notified by expect(): wakes idle pollers
         # outcomes kept briefly so a waiter arriving after the end still learns it (bounded)
         self._finished: OrderedDict[str, _Pending] = OrderedDict()
+        # transfers that ended before they landed and may still be written (kept apart: `forget` keeps them)
+        self._unquiet: dict[str, _Pending] = {}
         self._closed = False
         self._jobs: queue.Queue = queue.Queue()
         # sessions with an open channel, polled by the sender thread while they have writes in flight
@@ -212,9 +227,38 @@ class KVTransferAgent:
         self._finish(request_id, TransferCancelled(f"{request_id}: cancelled"))
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished transfer's record (after wait returned or raised)."""
+        """Drop a finished transfer's record (after wait returned or raised); `quiet` still knows it."""
         with self._lock:
             self._finished.pop(request_id, None)
+
+    async def quiet(self, request_id: str) -> None:
+        """Until no write of this transfer can land any more; call it after the transfer ended (landed,
+        cancelled, failed). An unknown request has nothing in flight."""
+        p, timeout = self._quiet_wait(request_id)
+        if p is not None:
+            await p.quiet.wait_async(timeout)
+            self._quieted(request_id, p)
+
+    def quiet_blocking(self, request_id: str) -> None:
+        p, timeout = self._quiet_wait(request_id)
+        if p is not None:
+            p.quiet.wait(timeout)
+            self._quieted(request_id, p)
+
+    def _quiet_wait(self, request_id: str) -> tuple[_Pending | None, float | None]:
+        """The record to wait on, and for how long: a one-sided sender posts nothing after the deadline, while
+        our own frames in progress end by themselves (the backend's I/O timeout bounds them)."""
+        with self._lock:
+            p = self._unquiet.get(request_id) or self._pending.get(request_id)
+        if p is None:
+            return None, None
+        return p, max(0.0, p.ticket.deadline - time.time()) if self.backend.one_sided else None
+
+    def _quieted(self, request_id: str, p: _Pending) -> None:
+        with self._lock:
+            if self._unquiet.get(request_id) is p:
+                del self._unquiet[request_id]
+        p.quiet.set()
 
     @property
     def num_pending(self) -> int:
@@ -236,6 +280,38 @@ class KVTransferAgent:
         with self._lock:
             p = self._pending.get(request_id)
             return None if p is None or p.done.is_set() else p.ticket
+
+    def begin_write(self, request_id: str) -> Expected | None:
+        """`lookup` for a frame about to be written into the request's blocks on our side: counted until
+        `end_write`, so the blocks of a transfer that ends meanwhile are not freed under it. None: refuse it."""
+        with self._lock:
+            p = self._pending.get(request_id)
+            if p is None or p.done.is_set():
+                return None
+            p.writing += 1
+            return p.ticket
+
+    def end_write(self, request_id: str) -> None:
+        with self._lock:
+            p = self._pending.get(request_id) or self._unquiet.get(request_id)
+            if p is None:
+                return
+            p.writing -= 1
+            quiet = p.done.is_set() and p.writing == 0
+        if quiet:
+            self._quieted(request_id, p)
+
+    def sender_stopped(self, request_id: str) -> None:
+        """A sender of a one-sided backend said it writes no more (its abort notice, or its request notice
+        after every write completed)."""
+        with self._lock:
+            p = self._pending.get(request_id) or self._unquiet.get(request_id)
+            if p is None:
+                return
+            p.stopped += 1
+            quiet = p.done.is_set() and p.stopped >= max(1, p.num_src)
+        if quiet:
+            self._quieted(request_id, p)
 
     def landed(self, request_id: str, layer: int, parts: Sequence[int], final: bool, nbytes: int,
                src: int = 0, num_src: int = 1) -> None:
@@ -290,6 +366,13 @@ class KVTransferAgent:
             self._finished[request_id] = p
             while len(self._finished) > 4096:
                 self._finished.popitem(last=False)
+            if error is None or (p.writing == 0 if not self.backend.one_sided else p.stopped >= max(1, p.num_src)):
+                p.quiet.set()  # landed whole (every write is in), or nothing of it is under way
+            else:
+                self._unquiet[request_id] = p
+                now = time.time()  # those nobody waited for leave at their deadline (writes end by then)
+                for rid in [r for r, q in self._unquiet.items() if q.ticket.deadline + 60 < now]:
+                    self._unquiet.pop(rid).quiet.set()
         metrics.record_end("recv", self.backend.name, error, time.monotonic() - p.created)
         if error is not None:
             log.warning("kv transfer %s failed: %s", request_id, error)
@@ -367,137 +450,22 @@ class KVTransferAgent:
         self.backend.close()
 
 
-class SendSession:
-    """One request's stream from one rank: `send_layer` queues layer i's blocks of every route this rank sends
-    (none, for a rank whose heads another rank sends); `finish` waits for all of it."""
-
-    def __init__(self, agent: KVTransferAgent, ticket: TransferTicket, src_block_ids: list[int],
-                 routes: list[Route]) -> None:
-        self.agent = agent
-        self.ticket = ticket
-        self.src_block_ids = src_block_ids
-        self.routes = routes
-        self.error: TransferError | None = None
-        self.bytes = 0
-        self._channels: list[Channel] | None = None  # one per route, opened at the first write
-        self._queued = 0
-        self._done_jobs = 0
-        self._cv = threading.Condition()
-        self._started = time.monotonic()
-        self._closed = False
-        metrics.IN_FLIGHT.labels("send", agent.backend.name).inc()
-
-    def send_layer(self, layer: int, indices: range | None = None, final: bool = True,
-                   event: torch.cuda.Event | None = None) -> None:
-        """Queue layer `layer`'s blocks at prompt positions `indices` (default: all). Returns at once.
-
-        `event`, on CUDA, is recorded after the layer's KV was written; the sender waits on it first.
-        """
-        if indices is None:
-            indices = range(len(self.ticket.block_ids))
-        skip = self.ticket.skip_blocks
-        pairs = [(self.src_block_ids[i], self.ticket.block_ids[i]) for i in indices if i >= skip]
-        runs = coalesce([s for s, _ in pairs], [d for _, d in pairs])
-        self._enqueue(lambda: self._write(layer, runs, final, event))
-
-    def _enqueue(self, fn) -> None:
-        """Run `fn` on the agent's sender thread; `finish` waits for every enqueued job."""
-        with self._cv:
-            self._queued += 1
-
-        def job() -> None:
-            try:
-                self._guarded(fn)
-            finally:
-                with self._cv:
-                    self._done_jobs += 1
-                    self._cv.notify_all()
-
-        self.agent._jobs.put(job)
-
-    def _guarded(self, fn) -> None:
-        """Call `fn` unless the session already failed or closed; any failure becomes its typed error."""
-        if self.error is not None or self._closed:
-            return
-        try:
-            fn()
-        except TransferError as e:
-            self.error = e
-        except Exception as e:  # backend failures become typed errors
-            self.error = TransferError(f"{self.ticket.request_id}: send failed: {e}")
-
-    def _poll(self) -> bool:
-        """Progress this session's in-flight writes; True while some remain."""
-        busy = False
-
-        def poll() -> None:
-            nonlocal busy
-            busy = any([bool(c.poll()) for c in self._channels])  # a list: poll every one
-
-        if self._channels:
-            self._guarded(poll)
-        return busy
-
-    def send_all(self, indices: range | None = None, event: torch.cuda.Event | None = None) -> None:
-        """Queue every layer at once as one transfer (whole-request mode, when the KV is already computed)."""
-        self.send_layer(-1, indices, True, event)
-
-    def _write(self, layer: int, runs, final: bool, event) -> None:
-        if not self.routes:
-            return
-        if event is not None:
-            event.synchronize()
-        if self._channels is None:
-            self._channels = [self.agent.backend.open_channel(self.ticket, r) for r in self.routes]
-            self.agent._active.add(self)
-        if time.time() > self.ticket.deadline:
-            raise TransferTimeout(f"{self.ticket.request_id}: deadline passed while sending")
-        n = 0
-        for channel in self._channels:
-            n += channel.write_all(runs) if layer < 0 else channel.write_layer(layer, runs, final)
-        self.bytes += n
-        metrics.BYTES.labels("send", self.agent.backend.name).inc(n)
-
-    def _flush(self) -> None:
-        for channel in self._channels or ():
-            channel.flush()
-
-    def finish(self, timeout: float | None = None) -> None:
-        """Wait until every queued layer was written; raises the first error."""
-        self._enqueue(self._flush)
-        if timeout is None:
-            timeout = max(0.0, self.ticket.deadline - time.time()) + 1.0
-        with self._cv:
-            ok = self._cv.wait_for(lambda: self._done_jobs == self._queued, timeout)
-        if not ok and self.error is None:
-            self.error = TransferTimeout(f"{self.ticket.request_id}: sending did not finish in time")
-        self._close(self.error)
-        if self.error is not None:
-            raise self.error
-
-    def abort(self) -> None:
-        """Stop sending; the receiver is told (where the backend can) and fails fast."""
-        self.error = self.error or TransferCancelled(f"{self.ticket.request_id}: sender aborted")
-        for channel in self._channels or ():
-            try:
-                channel.abort()
-            except Exception:
-                pass
-        self._close(self.error)
-
-    def _close(self, error: TransferError | None) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        metrics.record_end("send", self.agent.backend.name, error, time.monotonic() - self._started)
-        self.agent._active.discard(self)
-        for channel in self._channels or ():
-            channel.close()
+def is_loopback(host: str) -> bool:
+    """Whether `host` (the address the worker binds) is a loopback address or name."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def make_agent(kind: str, layout: KVLayout, host: str = "127.0.0.1", port: int = 0,
                name: str | None = None) -> KVTransferAgent:
-    """`kind`: auto (nixl when it imports and its agent starts, else tcp), nixl or tcp."""
+    """`kind`: auto (nixl when it imports and its agent starts, else tcp), nixl or tcp. Every listener binds
+    `host`'s interface: TCP binds `host`; with a loopback `host` NIXL's UCX is kept to the loopback device."""
     if kind not in ("auto", "nixl", "tcp"):
         raise ValueError(f"kv transport must be auto, nixl or tcp, got {kind!r}")
     name = name or f"splitserve-{uuid.uuid4().hex[:12]}"
@@ -505,7 +473,7 @@ def make_agent(kind: str, layout: KVLayout, host: str = "127.0.0.1", port: int =
         try:
             from splitserve.kv_transfer.nixl_backend import NixlBackend
 
-            backend = NixlBackend(name)
+            backend = NixlBackend(name, loopback_only=is_loopback(host))
             log.info("kv transport: nixl (agent %s)", name)
             return KVTransferAgent(layout, backend, name)
         except Exception as e:

@@ -1,7 +1,10 @@
-"""Typed transfer failures: the serving layer turns these into a local re-prefill."""
+"""Typed transfer failures: the serving layer turns these into a local re-prefill. They are the handover seam's
+failures (`engine.interface.HandoverFailed`, `BadTicket`), so a role catches them without knowing the transfer."""
+
+from splitserve.engine.interface import BadTicket, HandoverFailed
 
 
-class TransferError(Exception):
+class TransferError(HandoverFailed):
     """A transfer failed (peer gone, bad data, backend error)."""
 
 
@@ -13,7 +16,7 @@ class TransferCancelled(TransferError):
     """The transfer was cancelled by its owner."""
 
 
-class MalformedTicket(TransferError, ValueError):
+class MalformedTicket(TransferError, BadTicket):
     """A ticket that does not parse or validate."""
 
 

@@ -63,8 +63,13 @@ MAX_SENDERS = 1024  # bound on a notice's sender rank and sender count
 
 class NixlBackend:
     name = "nixl"
+    one_sided = True  # senders write our memory; we learn only from their notices
 
-    def __init__(self, agent_name: str) -> None:
+    def __init__(self, agent_name: str, loopback_only: bool = False) -> None:
+        if loopback_only and "UCX_NET_DEVICES" not in os.environ:
+            # UCX's tcp transport listens on every network device by default (the host's external address
+            # too); a worker bound to loopback has only same-host peers (shared memory, CMA, loopback tcp)
+            os.environ["UCX_NET_DEVICES"] = "lo"
         # raises ImportError where NIXL is absent
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
@@ -168,10 +173,11 @@ class NixlBackend:
         self.counts["notifs_received"] += 1
         try:
             text = msg.decode("ascii")
-            if text.startswith("A|"):
+            if text.startswith("A|"):  # the sender aborted: it posts no more writes
                 rid = text[2:]
                 if agent.lookup(rid) is not None:
                     agent.fail(rid, TransferError(f"{rid}: sender aborted"))
+                agent.sender_stopped(rid)
                 return
             tag, layer, final, nbytes, src, num_src, rid = text.split("|", 6)
             if tag != "L":
@@ -179,6 +185,8 @@ class NixlBackend:
             ticket = agent.lookup(rid)
             if ticket is None:  # ended (cancelled, timed out) or never expected
                 log.debug("nixl: notification for %r, not expected (any more)", rid[:80])
+                if layer == "-1":  # the request's notice: that sender's writes all completed
+                    agent.sender_stopped(rid)
                 return
             layers = [-1] if layer == "-1" else [_count(x) for x in layer.split(",", ticket.num_layers)]
             nbytes, src, num_src = _count(nbytes), _count(src), _count(num_src)

@@ -301,6 +301,10 @@ class NixlChannel:
         return bool(self._inflight or self._landed)
 
     def abort(self) -> None:
+        """The abort notice, once this channel's writes in flight completed (or its deadline passed): the
+        receiver reads it as "no write of this sender can land any more" and may free the blocks."""
+        with contextlib.suppress(TransferError):  # failed or late writes: they are over either way
+            self._wait()
         self.b.nixl.send_notif(self.remote, f"A|{self.ticket.request_id}".encode())
 
     def close(self) -> None:

@@ -33,7 +33,8 @@ from splitserve.common.redis_link import RedisLink
 from splitserve.common.redis_wire import ChecksumError, Keys, KVEventRecord, PoolNamespace, WireError
 from splitserve.common.sampling import SamplingParams
 from splitserve.common.worker_context import WorkerContext
-from splitserve.engine.interface import ServingEngine
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.interface import KVEventListener, ModelFacts
 from splitserve.engine.outputs import RequestOutput
 
 log = logging.getLogger("splitserve.kv_pool")
@@ -56,7 +57,7 @@ ERROR_REASONS = ("missing", "checksum", "header", "timeout", "redis", "dropped")
 
 
 class KVPool:
-    def __init__(self, spec: KVPoolSpec, link: RedisLink, engine: ServingEngine, keys: Keys, worker: str,
+    def __init__(self, spec: KVPoolSpec, link: RedisLink, engine: AsyncEngine, keys: Keys, worker: str,
                  instance_id: str, write: bool) -> None:
         kv = engine.kv_spec
         self.spec = spec
@@ -140,7 +141,12 @@ class KVPool:
         record = KVEventRecord(self.worker, self.instance_id, "stored", "pool", np.asarray(found, dtype=np.uint64))
 
         async def store(r) -> bool:
-            await _pipelined(r, [("set", self.ns.key(h), v, ttl) for h, v in zip(found, values, strict=True)])
+            from redis.exceptions import OutOfMemoryError
+
+            try:
+                await _pipelined(r, [("set", self.ns.key(h), v, ttl) for h, v in zip(found, values, strict=True)])
+            except OutOfMemoryError:  # maxmemory reached with nothing left to evict: these blocks stay unpooled
+                return False
             await r.xadd(self.keys.events, record.encode(), maxlen=200_000, approximate=True)
             return True
 
@@ -253,6 +259,39 @@ class KVPool:
         return self.engine.stream_loaded(request_id, local, data)
 
 
+class PooledEngine:
+    """The native engine as a role serves it with a KV pool (`ServingEngine`): `generate` loads the prompt's
+    blocks from the pool first where that pays; everything else is the engine's."""
+
+    def __init__(self, engine: AsyncEngine, pool: KVPool) -> None:
+        self.engine = engine
+        self.pool = pool
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self.engine.facts
+
+    @property
+    def dead(self) -> bool:
+        return self.engine.dead
+
+    def add_kv_event_listener(self, listener: KVEventListener) -> None:
+        self.engine.add_kv_event_listener(listener)
+
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+        return self.pool.generate(request_id, prompt_token_ids, params, priority)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
 async def _pipelined(r, ops: list[tuple]) -> list:
     """Run (command, key, ...) operations in one pipeline (keys may live on any Redis Cluster node)."""
     pipe = r.pipeline(transaction=False)
@@ -266,7 +305,7 @@ async def _pipelined(r, ops: list[tuple]) -> list:
     return await pipe.execute()
 
 
-def make_pool(spec: ClusterSpec, engine: ServingEngine, ctx: WorkerContext, role: str) -> KVPool | None:
+def make_pool(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext, role: str) -> KVPool | None:
     """The worker's KV pool when `kvPool.enabled` and there is a Redis; started, its writer listening to the
     engine's KV events. None otherwise (and with tensor parallelism, whose shards it does not store yet)."""
     if not spec.kv_pool.enabled:

@@ -26,6 +26,7 @@ from splitserve.kv_transfer.sharded import (
     OP_CANCEL,
     OP_EXPECT,
     OP_LANDED,
+    OP_QUIET,
     OP_SENT,
     OP_START,
     OP_STREAM,
@@ -78,8 +79,18 @@ class FollowerConnector:
 
     def _cancel(self, msg: dict) -> None:
         agent = self._need_agent()
-        agent.cancel(msg["rid"])
-        agent.forget(msg["rid"])
+        rid = msg["rid"]
+        agent.cancel(rid)
+        agent.forget(rid)
+        # rank 0 frees the blocks once every rank said no write can land any more (off the link's thread)
+        threading.Thread(target=self._report_quiet, args=(agent, rid), name="kv-rank-quiet", daemon=True).start()
+
+    def _report_quiet(self, agent: KVTransferAgent, rid: str) -> None:
+        agent.quiet_blocking(rid)
+        try:
+            self.link.send({"op": OP_QUIET, "rid": rid})
+        except LinkClosed:
+            pass
 
     def _landed(self, request_id: str, error: TransferError | None) -> None:
         self.agent.forget(request_id)

@@ -4,7 +4,8 @@ rank 0 composes them into the one agent its role's service uses (`make_worker_ag
 - Decode (`ShardedReceiver`): `expect` tells each receiving follower (the first holder of some head,
   `shards.receivers`) to accept the request's writes, then publishes one ticket naming every rank; `wait`
   ends when every receiving rank reported its part landed, and fails as soon as one reports a failure, misses
-  the deadline, or its process is gone.
+  the deadline, or its process is gone. After a `cancel`, `quiet` ends once every rank (or its process) said
+  no write of the request can land on it any more.
 - Prefill (`ShardedSender`): `begin` hands the ticket to every follower before the request's first step; each
   step's `rank_plan` (made by `KVStreamHook`) tells the followers' connectors which blocks to send while the
   layers are written; `finish` waits for every rank's writes, `abort` stops them all.
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.common.latch import Latch
-from splitserve.engine.interface import ServingEngine
+from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.parallel_link import LinkClosed, RankLink
 from splitserve.kv_transfer.agent import KVTransferAgent, SendSession, make_agent
 from splitserve.kv_transfer.errors import TransferCancelled, TransferError, TransferTimeout
@@ -44,6 +45,7 @@ OP_ABORT = "kv.abort"  # {sid}: stop sending sid
 # -- (follower -> rank 0, no reply) ------------------------------------------------------------------------
 OP_LANDED = "kv.landed"  # {rid, error}: this rank's part of rid landed (error null) or failed
 OP_SENT = "kv.sent"  # {sid, bytes, error}: this rank's writes of sid are done (error null) or failed
+OP_QUIET = "kv.quiet"  # {rid}: after kv.cancel, no write of rid can land on this rank any more
 
 LINK_TIMEOUT_S = 10.0  # seconds to wait for a follower's reply (a local socket: normally well under 1 ms)
 START_TIMEOUT_S = 120.0  # seconds for a follower to start its agent
@@ -78,7 +80,7 @@ def decode_plan(plan: Sequence[int]) -> list[PlanEntry]:
     return out
 
 
-def make_worker_agent(kind: str, engine: ServingEngine, host: str, role: str
+def make_worker_agent(kind: str, engine: AsyncEngine, host: str, role: str
                       ) -> KVTransferAgent | ShardedReceiver | ShardedSender:
     """The transfer agent of a worker: one agent on one rank; with several ranks, rank 0's agent composed
     with every follower's (each started over its link, on the backend rank 0's agent chose)."""
@@ -105,6 +107,8 @@ class _Gather:
     deadline: float
     error: TransferError | None = None
     done: Latch = field(default_factory=Latch)
+    unquiet: set[int] = field(default_factory=set)  # cancelled follower ranks that have not said kv.quiet
+    quiet: Latch = field(default_factory=Latch)
 
 
 class ShardedReceiver:
@@ -120,8 +124,10 @@ class ShardedReceiver:
         self._receiving = [r for r in receivers(self.layout.shard.num_kv_heads, len(endpoints)) if r != 0]
         self._lock = threading.Lock()
         self._pending: dict[str, _Gather] = {}
+        self._unquiet: dict[str, _Gather] = {}  # cancelled, until every rank said kv.quiet (`forget` keeps it)
         for r, link in enumerate(links, start=1):
             link.handle(OP_LANDED, lambda msg, r=r: self._on_landed(r, msg))
+            link.handle(OP_QUIET, lambda msg, r=r: self._on_quiet(r, msg))
             link.on_close(lambda r=r: self._rank_gone(r))
 
     def expect(self, request_id: str, block_ids: Sequence[int], skip_blocks: int = 0,
@@ -162,9 +168,23 @@ class ShardedReceiver:
         self.agent.cancel(request_id)
         with self._lock:
             gather = self._pending.get(request_id)
+            if gather is not None and gather.outstanding:  # ranks that landed their part have nothing under way
+                gather.unquiet = set(gather.outstanding)
+                self._unquiet[request_id] = gather
         if gather is not None:
             self._cancel_followers(request_id, gather.outstanding)
             self._settle(gather, TransferCancelled(f"{request_id}: cancelled"))
+
+    async def quiet(self, request_id: str) -> None:
+        """After `cancel`: until no write of the request can land on any rank any more."""
+        await self.agent.quiet(request_id)
+        with self._lock:
+            gather = self._unquiet.get(request_id)
+        if gather is not None:  # each rank answers once its own agent is quiet (bounded by the deadline)
+            if not await gather.quiet.wait_async(max(0.0, gather.deadline - time.time()) + 60.0):
+                log.warning("%s: ranks %s did not say kv.quiet; freeing anyway", request_id, sorted(gather.unquiet))
+            with self._lock:
+                self._unquiet.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
         self.agent.forget(request_id)
@@ -205,8 +225,21 @@ class ShardedReceiver:
     def _rank_gone(self, rank: int) -> None:
         with self._lock:
             hit = [g for g in self._pending.values() if rank in g.outstanding]
+            rids = [rid for rid, g in self._unquiet.items() if rank in g.unquiet]
         for gather in hit:
             self._settle(gather, TransferError(f"rank {rank} is gone"))
+        for rid in rids:  # a rank whose process is gone writes nothing
+            self._on_quiet(rank, {"rid": rid})
+
+    def _on_quiet(self, rank: int, msg: dict) -> None:
+        with self._lock:
+            gather = self._unquiet.get(msg.get("rid", ""))
+            if gather is None:
+                return
+            gather.unquiet.discard(rank)
+            quiet = not gather.unquiet
+        if quiet:
+            gather.quiet.set()
 
     @staticmethod
     def _settle(gather: _Gather, error: TransferError) -> None:

@@ -59,6 +59,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 
 class TcpBackend:
     name = "tcp"
+    one_sided = False  # we write each frame into the blocks ourselves (counted: `KVTransferAgent.begin_write`)
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, io_timeout: float = 30.0) -> None:
         self.host = host
@@ -95,6 +96,7 @@ class TcpBackend:
         layout: KVLayout = agent.layout
         seen: dict[str, int] = {}  # request -> sender rank this connection carried: fails if it drops mid-stream
         staging = torch.empty(0, dtype=torch.uint8, pin_memory=layout.is_cuda)
+        writing = None  # the request whose frame is being written (counted by the agent until it ends)
         try:
             while True:
                 try:
@@ -109,12 +111,15 @@ class TcpBackend:
                     rid = _recv_exact(conn, rid_len).decode()
                 except UnicodeDecodeError:
                     raise FrameError("request id is not UTF-8") from None
-                ticket = agent.lookup(rid)
+                ticket = agent.begin_write(rid)
                 if ticket is None:
                     raise FrameError(f"frame for unknown or finished request {rid!r}")
+                writing = rid
                 seen[rid] = src
                 if kind == KIND_ABORT:
                     agent.fail(rid, TransferError(f"{rid}: sender aborted"))
+                    writing = None
+                    agent.end_write(rid)
                     continue
                 if layer >= ticket.num_layers or kv > 1 or num_runs > MAX_RUNS or final > 1 or \
                         num_src < 1 or head_count < 1 or head_off + head_count > layout.num_heads:
@@ -152,12 +157,16 @@ class TcpBackend:
                     agent.fail(rid, TransferError(f"{rid}: checksum mismatch on layer {layer}"))
                     raise FrameError(f"{rid}: checksum mismatch")
                 agent.landed(rid, layer, (kv,), bool(final), payload, src, num_src)
+                writing = None
+                agent.end_write(rid)
         except (FrameError, OSError, ConnectionError) as e:
             log.warning("kv tcp: dropping connection: %s", e)
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+            if writing is not None:  # a frame cut short: nothing more of it is written
+                agent.end_write(writing)
             for rid, src in seen.items():
                 if agent.lookup(rid) is not None and not agent.sender_done(rid, src):
                     agent.fail(rid, TransferError(f"{rid}: sender disconnected before the transfer completed"))

@@ -24,7 +24,7 @@ PREFILL_STAGES = (
 
 @dataclass
 class PrefillTimeline:
-    """One Prefill call's time.monotonic() marks (seconds); `scheduled` is set on the engine thread."""
+    """One Prefill call's time.monotonic() marks (seconds), the handover's (`PrefillResult`) among them."""
 
     received: float
     scheduled: float = 0.0

@@ -1,5 +1,5 @@
-"""The gateway's core, below HTTP: route a parsed request (policy + worker view), call the decode worker over
-gRPC naming the prefill worker, and turn the token stream into text pieces.
+"""The gateway's core, below HTTP: route a parsed request (policy + worker view), call the decode worker (its
+`WorkerClient`) naming the prefill worker, and turn the token stream into text pieces.
 
 The gateway owns detokenization and stop strings (the engine deals in token ids only): the engine's step loop
 stays free of per-token text work, and gateways scale out independently of GPU workers. When a stop string
@@ -8,21 +8,17 @@ appears, the gateway ends the call, which aborts the request on the worker.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
-
 from splitserve.common.config import ClusterSpec
 from splitserve.common.membership import Membership
 from splitserve.common.model_files import max_positions, resolve_model
-from splitserve.common.protocol import PROTOCOL_VERSION
-from splitserve.common.protocol import splitserve_pb2 as pb
-from splitserve.common.protocol.convert import params_to_pb
+from splitserve.common.sampling import Logprob
 from splitserve.common.text import IncrementalDetokenizer, Tokenizer
+from splitserve.common.worker_client import GenerateCall, TokenStream, WorkerCallError
 from splitserve.router import metrics as m
 from splitserve.router.cluster import ClusterState
 from splitserve.router.errors import APIError, bad
@@ -39,7 +35,7 @@ class Piece:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -131,47 +127,39 @@ class Gateway:
             decode, prefill = decision.decode, decision.prefill
             tried.add(decode.name)
             worker = self.workers.get(decode.name)
-            req = pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, request_id=rid,
-                                     prompt_token_ids=gen.prompt_token_ids, params=params_to_pb(gen.params),
-                                     prefill_worker=prefill.name if prefill else "", priority=gen.priority)
+            call = GenerateCall(rid, gen.prompt_token_ids, gen.params, prefill.name if prefill else "", gen.priority)
             sent_any = False
             bs = self.spec.model.block_size
             blocks = -(-request.num_prompt_tokens // bs)
             charge = Charge(decode, prefill, blocks, blocks - decision.cached_tokens // bs)
-            call = worker.stub.Generate(req)
+            stream = worker.client.generate(call)
             try:
-                async for piece in self._pieces(call, gen):
+                async for piece in self._pieces(stream, gen):
                     if piece.token_ids:
                         charge.first_token()
                     sent_any = True
                     yield piece
                 return
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # we are being cancelled (the client left)
-                # the call was cancelled under us (its channel closed): the worker is gone
-                if not sent_any:
-                    self.workers.mark_down(worker, "its connection closed")
+            except WorkerCallError as e:
+                if e.kind == "invalid":
+                    raise bad(e.details or "invalid request") from None
+                if e.kind in ("unavailable", "cancelled", "closed") and not sent_any:
+                    self.workers.mark_down(worker, e.details)
                     continue
-                raise APIError(500, "the decode worker's connection closed mid-stream", code="worker_error") from None
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise bad(e.details() or "invalid request") from None
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and not sent_any:
-                    self.workers.mark_down(worker, e.details() or e.code().name)
-                    continue
-                raise APIError(503 if not sent_any else 500, f"decode worker failed: {e.details()}",
+                if e.kind == "closed":
+                    raise APIError(500, "the decode worker's connection closed mid-stream",
+                                   code="worker_error") from None
+                raise APIError(503 if not sent_any else 500, f"decode worker failed: {e.details}",
                                code="worker_error") from None
             finally:
-                call.cancel()
+                stream.cancel()
                 charge.release()
 
-    async def _pieces(self, call, gen: GenerationSpec) -> AsyncIterator[Piece]:
+    async def _pieces(self, stream: TokenStream, gen: GenerationSpec) -> AsyncIterator[Piece]:
         sp = gen.params
         detok = IncrementalDetokenizer(self.tokenizer, gen.prompt_token_ids, sp.stop, sp.include_stop_str_in_output)
         completion = cached = 0
-        async for resp in call:
+        async for resp in stream:
             if resp.error and resp.finish_reason == "error":
                 raise APIError(500, f"generation failed: {resp.error}", code="worker_error")
             cached = max(cached, resp.cached_tokens)

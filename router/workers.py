@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
 from splitserve.common.membership import Membership, WorkerInfo
-from splitserve.common.protocol import splitserve_pb2 as pb
-from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
+from splitserve.common.worker_client import GrpcWorkerClient, WorkerCallError, WorkerClient
 from splitserve.router.metrics import HEALTH_FLAPS, WORKER_HEALTHY
 from splitserve.router.policy import WorkerLoad
 
 log = logging.getLogger("splitserve.router.workers")
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 @dataclass(eq=False)
 class Worker:
     info: WorkerInfo
-    channel: grpc.aio.Channel = field(repr=False)
-    stub: pb_grpc.WorkerStub = field(repr=False)
+    client: WorkerClient = field(repr=False)
     load: WorkerLoad = field(repr=False)
     failures: int = 0  # health checks failed in a row
     state: str = "starting"  # up | starting | slow | down
@@ -42,8 +38,10 @@ class Worker:
 class WorkerSet:
     """Workers from membership, with health and load; implements the policies' `WorkerView`."""
 
-    def __init__(self, membership: Membership, interval: float = 1.0, failures_to_down: int = 3) -> None:
+    def __init__(self, membership: Membership, interval: float = 1.0, failures_to_down: int = 3,
+                 connect: Callable[[str], WorkerClient] = GrpcWorkerClient) -> None:
         self.membership = membership
+        self.connect = connect  # endpoint -> the client of the worker there
         self.interval = interval
         self.failures_to_down = failures_to_down
         self.by_name: dict[str, Worker] = {}
@@ -56,21 +54,20 @@ class WorkerSet:
 
     # -- membership -----------------------------------------------------------------------------------
     def sync(self) -> None:
-        """Match the worker set to membership: new workers get a channel, departed ones lose theirs."""
+        """Match the worker set to membership: new workers get a client, departed ones lose theirs."""
         current = {w.name: w for w in self.membership.workers()}
         for name in list(self.by_name):
             worker = self.by_name[name]
             info = current.get(name)
             if info is None or info.instance_id != worker.info.instance_id or info.endpoint != worker.endpoint:
                 del self.by_name[name]
-                self._retiring.append(worker)  # its channel closes once no call of ours is left on it
+                self._retiring.append(worker)  # its client closes once no call of ours is left on it
         self._close_retired()
         for name, info in current.items():
             worker = self.by_name.get(name)
             if worker is None:
-                ch = grpc.aio.insecure_channel(info.endpoint, options=GRPC_OPTIONS)
                 load = WorkerLoad(name, info.endpoint, info.role, healthy=False, instance_id=info.instance_id)
-                worker = self.by_name[name] = Worker(info, ch, pb_grpc.WorkerStub(ch), load)
+                worker = self.by_name[name] = Worker(info, self.connect(info.endpoint), load)
                 HEALTH_FLAPS.labels(info.endpoint, info.role)  # the series exists from the start
             worker.info = info
             load = worker.load
@@ -83,7 +80,7 @@ class WorkerSet:
             return
         for worker in [w for w in self._retiring if w.load.outstanding <= 0]:
             self._retiring.remove(worker)
-            task = asyncio.get_running_loop().create_task(worker.channel.close())
+            task = asyncio.get_running_loop().create_task(worker.client.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
@@ -133,11 +130,11 @@ class WorkerSet:
 
     async def check(self, worker: Worker) -> None:
         try:
-            h = await worker.stub.Health(pb.HealthRequest(), timeout=max(2.0, 2 * self.interval))
-        except grpc.aio.AioRpcError as e:
+            h = await worker.client.health(timeout_s=max(2.0, 2 * self.interval))
+        except WorkerCallError as e:
             worker.failures += 1
-            why = e.details() or e.code().name
-            if e.code() == grpc.StatusCode.UNAVAILABLE:  # refused or reset: the connection is broken
+            why = e.details
+            if e.kind == "unavailable":  # refused or reset: the connection is broken
                 self._set_state(worker, "down", why)
             elif worker.failures >= self.failures_to_down and worker.state == "up":
                 self._set_state(worker, "slow", f"{worker.failures} health checks in a row failed: {why}")
@@ -173,7 +170,7 @@ class WorkerSet:
             self._task.cancel()
         await self.membership.close()
         for w in self.workers + self._retiring:
-            await w.channel.close()
+            await w.client.close()
 
 
 def _loop_running() -> bool:

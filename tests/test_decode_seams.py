@@ -1,0 +1,149 @@
+"""The decode service against the seams alone (no model, no transfer, no gRPC): hand-made `ServingEngine`,
+`DecodeHandover` and `WorkerClient` show what it asks of each, in which order, and that a failed or abandoned
+remote prefill hands its reservation back to the handover together with the prefill call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from splitserve.common.membership import StaticMembership
+from splitserve.common.protocol import PROTOCOL_VERSION
+from splitserve.common.protocol import splitserve_pb2 as pb
+from splitserve.common.protocol.convert import params_to_pb
+from splitserve.common.sampling import SamplingParams
+from splitserve.common.worker_client import PrefillReply, WorkerCallError
+from splitserve.decode_worker.service import DecodeService
+from splitserve.engine.interface import ModelFacts, Reservation
+from splitserve.engine.outputs import RequestOutput
+
+PROMPT = list(range(10, 74))  # 64 tokens
+
+
+class Engine:
+    facts = ModelFacts("m", 1000, 4096, frozenset(), 1, "cpu", 16, 64)
+    dead = False
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def add_kv_event_listener(self, listener) -> None:
+        pass
+
+    async def generate(self, request_id, prompt_token_ids, params, priority=0) -> AsyncIterator[RequestOutput]:
+        self.calls.append(f"generate {request_id}")
+        yield RequestOutput(request_id, [7, 8], finished=True, finish_reason="length",
+                            num_prompt_tokens=len(prompt_token_ids), num_output_tokens=2)
+
+    async def abort(self, request_id) -> None:
+        self.calls.append(f"abort {request_id}")
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+class Handover:
+    def __init__(self, landed: asyncio.Future | None = None) -> None:
+        self.calls: list[str] = []
+        self.cancelled: list[tuple[str, object]] = []
+        self._landed = landed
+
+    async def reserve(self, request_id, prompt_token_ids, params, priority=0, *, min_remote_tokens=1,
+                      timeout_s=30.0) -> Reservation:
+        self.calls.append(f"reserve {request_id} min={min_remote_tokens}")
+        return Reservation(b"opaque-ticket", 16)
+
+    async def landed(self, request_id) -> None:
+        self.calls.append(f"landed {request_id}")
+        if self._landed is not None:
+            await self._landed
+
+    async def admit(self, request_id, first_token_id, first_logprob=None) -> AsyncIterator[RequestOutput]:
+        self.calls.append(f"admit {request_id} {first_token_id}")
+        yield RequestOutput(request_id, [first_token_id], num_prompt_tokens=len(PROMPT), num_output_tokens=1)
+        yield RequestOutput(request_id, [5], finished=True, finish_reason="length", num_output_tokens=2)
+
+    def cancel(self, request_id, prefill=None) -> None:
+        self.calls.append(f"cancel {request_id}")
+        self.cancelled.append((request_id, prefill))
+
+    async def close(self) -> None:
+        pass
+
+
+class Peer:
+    endpoint = "p:1"
+
+    def __init__(self, fail: WorkerCallError | None = None, hang: bool = False) -> None:
+        self.fail, self.hang = fail, hang
+        self.tickets: list[bytes] = []
+
+    async def prefill(self, call, timeout_s) -> PrefillReply:
+        self.tickets.append(call.ticket)
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.fail is not None:
+            raise self.fail
+        return PrefillReply(42, None, 0, 1234)
+
+    async def close(self) -> None:
+        pass
+
+
+class Context:
+    async def abort(self, code, details) -> None:
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+def request(rid: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, request_id=rid, prompt_token_ids=PROMPT,
+                              params=params_to_pb(SamplingParams(max_tokens=2, temperature=0)), prefill_worker="p:1")
+
+
+def service(handover: Handover, peer: Peer, engine: Engine) -> DecodeService:
+    return DecodeService(engine, handover, StaticMembership(["p:1"], ["d:1"]), threshold=32,
+                         connect=lambda endpoint: peer)
+
+
+async def collect(svc: DecodeService, rid: str) -> list[pb.GenerateResponse]:
+    return [r async for r in svc.generate(request(rid), Context())]
+
+
+def test_a_remote_prefill_carries_the_opaque_ticket_and_admits_after_the_landing():
+    engine, handover, peer = Engine(), Handover(), Peer()
+    out = asyncio.run(collect(service(handover, peer, engine), "a"))
+    assert peer.tickets == [b"opaque-ticket"]
+    assert handover.calls == ["reserve a min=32", "landed a", "admit a 42"]
+    assert [list(r.token_ids) for r in out] == [[42], [5]] and out[-1].finished and out[0].remote_prefill
+    assert out[0].cached_tokens == 16 and engine.calls == [] and not handover.cancelled
+
+
+def test_a_failed_prefill_hands_the_reservation_back_with_the_ended_call_and_prefills_locally():
+    engine, handover, peer = Engine(), Handover(), Peer(fail=WorkerCallError("unavailable", "gone"))
+    out = asyncio.run(collect(service(handover, peer, engine), "b"))
+    assert [c for c in handover.calls if c.startswith("cancel")] == ["cancel b"]
+    (rid, call), = handover.cancelled
+    assert rid == "b" and call.done()  # the handover frees the blocks only after this call ended
+    assert engine.calls == ["generate b#local"]  # a new engine id: the reservation is the handover's
+    assert [list(r.token_ids) for r in out] == [[7, 8]] and out[0].request_id == "b"
+
+
+def test_a_caller_leaving_during_the_prefill_hands_the_reservation_back():
+    engine, handover, peer = Engine(), Handover(), Peer(hang=True)
+
+    async def main():
+        task = asyncio.ensure_future(collect(service(handover, peer, engine), "c"))
+        while not peer.tickets:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        (rid, call), = handover.cancelled
+        await asyncio.wait({call}, timeout=1)
+        return rid, call
+
+    rid, call = asyncio.run(main())
+    assert rid == "c" and call.cancelled()
+    assert engine.calls == []

@@ -1,0 +1,121 @@
+"""`GrpcWorkerClient` against an in-process gRPC worker service: each call's messages come back as the
+client's dataclasses, and each way a call fails is one `WorkerCallError` kind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from splitserve.common.proc import free_port
+from splitserve.common.protocol import PROTOCOL_VERSION
+from splitserve.common.protocol import splitserve_pb2 as pb
+from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
+from splitserve.common.sampling import Logprob, SamplingParams
+from splitserve.common.worker_client import (
+    GenerateCall,
+    GrpcWorkerClient,
+    HealthReport,
+    LoadReport,
+    PrefillCall,
+    WorkerCallError,
+)
+
+
+class Worker(pb_grpc.WorkerServicer):
+    async def Generate(self, request, context):
+        if request.request_id == "bad":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: empty")
+        lp = pb.TokenLogprob(token_id=5, logprob=-0.5, top=[pb.TopLogprob(token_id=5, logprob=-0.5)])
+        yield pb.GenerateResponse(request_id=request.request_id, token_ids=[5], logprobs=[lp], prompt_tokens=3,
+                                  completion_tokens=1)
+        if request.request_id == "dies":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine gone")
+        yield pb.GenerateResponse(request_id=request.request_id, token_ids=[6], finished=True, finish_reason="length",
+                                  prompt_tokens=3, completion_tokens=2, remote_prefill=True)
+
+    async def Prefill(self, request, context):
+        if request.ticket != b"t":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "kv transfer failed")
+        await asyncio.sleep(float(request.params.max_tokens) / 1000)
+        return pb.PrefillResponse(request_id=request.request_id, first_token_id=9, cached_tokens=16, kv_bytes=1024)
+
+    async def Abort(self, request, context):
+        return pb.AbortResponse(found=request.request_id == "known")
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(live=True, ready=True, role="decode", model="m", protocol_version=PROTOCOL_VERSION)
+
+    async def Stats(self, request, context):
+        return pb.StatsResponse(num_waiting=1, num_running=2, kv_blocks_used=3, kv_blocks_total=4, tokens_in_flight=5,
+                                num_waiting_remote_kv=6, num_held=7, outstanding_requests=8)
+
+
+async def with_client(fn):
+    server = grpc.aio.server()
+    pb_grpc.add_WorkerServicer_to_server(Worker(), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    client = GrpcWorkerClient(f"127.0.0.1:{port}")
+    try:
+        return await fn(client)
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+def test_each_call_answers_in_dataclasses():
+    async def calls(client):
+        stream = client.generate(GenerateCall("r", [1, 2, 3], SamplingParams(max_tokens=2)))
+        chunks = [c async for c in stream]
+        stream.cancel()  # after the end: harmless
+        reply = await client.prefill(PrefillCall("r", [1, 2, 3], SamplingParams(max_tokens=1), b"t"), timeout_s=5)
+        return (chunks, reply, await client.abort("known"), await client.abort("other"), await client.health(2),
+                await client.load(2))
+
+    chunks, reply, known, other, health, load = asyncio.run(with_client(calls))
+    assert [c.token_ids for c in chunks] == [[5], [6]]
+    assert chunks[0].logprobs == [Logprob(5, -0.5, [(5, -0.5)])] and not chunks[0].finished
+    assert chunks[1].finished and chunks[1].finish_reason == "length" and chunks[1].remote_prefill
+    assert (reply.first_token_id, reply.first_logprob, reply.cached_tokens, reply.kv_bytes) == (9, None, 16, 1024)
+    assert known and not other
+    assert health == HealthReport(True, True, "decode", False, "m", PROTOCOL_VERSION)
+    assert load == LoadReport(1, 2, 3, 4, 5, 6, 7, 8)
+
+
+@pytest.mark.parametrize("rid,kind,chunks", [("bad", "invalid", 0), ("dies", "unavailable", 1)])
+def test_a_failed_generate_is_one_error_kind(rid, kind, chunks):
+    async def call(client):
+        got = []
+        with pytest.raises(WorkerCallError) as e:
+            async for c in client.generate(GenerateCall(rid, [1], SamplingParams())):
+                got.append(c)
+        return e.value, got
+
+    error, got = asyncio.run(with_client(call))
+    assert error.kind == kind and len(got) == chunks
+
+
+def test_prefill_failures_and_deadlines_and_a_worker_that_is_not_there():
+    async def calls(client):
+        errors = []
+        for ticket, ms, timeout in ((b"x", 1, 5.0), (b"t", 2000, 0.2)):
+            with pytest.raises(WorkerCallError) as e:
+                await client.prefill(PrefillCall("r", [1], SamplingParams(max_tokens=ms), ticket), timeout_s=timeout)
+            errors.append(e.value.kind)
+        return errors
+
+    assert asyncio.run(with_client(calls)) == ["unavailable", "timeout"]
+
+    async def nobody():
+        client = GrpcWorkerClient(f"127.0.0.1:{free_port()}")
+        try:
+            with pytest.raises(WorkerCallError) as e:
+                await client.health(2)
+            return e.value.kind
+        finally:
+            await client.close()
+
+    assert asyncio.run(nobody()) == "unavailable"
