@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics,
+/openapi.json.
 
 Per request: check the body (type and size, before reading it all), parse and tokenize it off the event loop,
 wait for a seat (bounded admission), let the gateway route and generate, and answer as JSON or SSE. Nothing here
@@ -25,10 +26,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from splitserve import __version__
 from splitserve.common.config import ClusterSpec
 from splitserve.common.membership import Membership, StaticMembership
 from splitserve.common.redis_link import RedisLink
 from splitserve.router import metrics as m
+from splitserve.router import openapi
 from splitserve.router.admission import Admission
 from splitserve.router.cluster import ClusterState
 from splitserve.router.errors import APIError, bad
@@ -122,6 +125,8 @@ class HTTPApi:
             return json.loads(raw) if size <= PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad(f"request body is not valid JSON: {e}") from None
+        except RecursionError:  # the decoder's own limit on nesting
+            raise bad("request body nests too deep") from None
 
     def _check_key(self, request: Request) -> None:
         if not self.api_keys:
@@ -152,11 +157,11 @@ class HTTPApi:
         if spec.stream:
             return _SeatedResponse(self._sse(spec, rid, endpoint), self.admission)
         try:
-            return await self._unary(spec, rid, endpoint)
+            return await self._unary(spec, rid, endpoint, request)
         finally:
             self.admission.release()
 
-    async def _unary(self, spec: GenerationSpec, rid: str, endpoint: str) -> Response:
+    async def _unary(self, spec: GenerationSpec, rid: str, endpoint: str, request: Request) -> Response:
         t0 = time.monotonic()
         text, lps, finish, usage = [], [], None, (len(spec.prompt_token_ids), 0, 0)
         clock = _TokenClock(t0)
@@ -172,7 +177,7 @@ class HTTPApi:
             return e.response()
         m.E2E.observe(time.monotonic() - t0)
         m.GENERATION_TOKENS.inc(usage[1])
-        m.REQUESTS.labels(endpoint, "200").inc()
+        m.REQUESTS.labels(endpoint, m.CLIENT_CLOSED if await request.is_disconnected() else "200").inc()
         body = {"id": rid, "created": int(time.time()), "model": self.gw.model_name, "usage": _usage(*usage)}
         if spec.chat:
             body["object"] = "chat.completion"
@@ -190,7 +195,7 @@ class HTTPApi:
         created = int(time.time())
         obj = "chat.completion.chunk" if spec.chat else "text_completion"
         usage = (len(spec.prompt_token_ids), 0, 0)
-        status = "200"
+        status = m.CLIENT_CLOSED  # until the stream ends: a client that leaves first cancels or closes it
         clock = _TokenClock(t0)
         offset = 0  # characters of completion text before this chunk's tokens (text_offset)
 
@@ -221,10 +226,14 @@ class HTTPApi:
                     yield chunk({"index": 0, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason})
             if spec.include_usage:
                 yield chunk(None, {"usage": _usage(*usage)})
+            status = "200"
             m.E2E.observe(time.monotonic() - t0)
         except APIError as e:
             status = str(e.status)
             yield f"data: {json.dumps(e.body())}\n\n"
+        except Exception:  # a bug: counted as what it is, then raised
+            status = "500"
+            raise
         finally:
             m.GENERATION_TOKENS.inc(usage[1])
             m.REQUESTS.labels(endpoint, status).inc()
@@ -241,9 +250,9 @@ class HTTPApi:
         for lp in lps:
             text, raw = self._token(lp.token_id)
             top = []
-            for t in lp.top[: spec.top_logprobs]:
-                t_text, t_raw = self._token(t.token_id)
-                top.append({"token": t_text, "logprob": t.logprob, "bytes": t_raw})
+            for tid, value in lp.top[: spec.top_logprobs]:  # (token id, logprob), best first
+                t_text, t_raw = self._token(tid)
+                top.append({"token": t_text, "logprob": value, "bytes": t_raw})
             content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
@@ -256,7 +265,7 @@ class HTTPApi:
             tokens.append(text)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token(t.token_id)[0]: t.logprob for t in lp.top} for lp in lps],
+                "top_logprobs": [{self._token(tid)[0]: value for tid, value in lp.top} for lp in lps],
                 "text_offset": offsets}, offset
 
     # -- the rest -----------------------------------------------------------------------------------------
@@ -290,6 +299,11 @@ class HTTPApi:
 
     async def metrics(self, _: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self, _: Request) -> Response:
+        gw = self.gw
+        return JSONResponse(openapi.document([gw.model_name], gw.tokenizer.vocab_size, self.spec.router.max_body_bytes,
+                                             __version__))
 
 
 def build_app(spec: ClusterSpec, membership: Membership | None = None,
@@ -327,6 +341,7 @@ def build_app(spec: ClusterSpec, membership: Membership | None = None,
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", api.metrics, methods=["GET"]),
+            Route("/openapi.json", api.openapi, methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers={Exception: server_error, 404: not_found, 405: method_not_allowed},

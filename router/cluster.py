@@ -164,7 +164,19 @@ class ClusterState:
         """Whether the stream was trimmed past our position (we missed entries)."""
         if self.last_id == "0-0":
             return False
-        info = await self.link.call(lambda r: r.xinfo_stream(self.keys.events))
+        async def stream_info(r):
+            from redis.exceptions import ResponseError
+
+            try:
+                return await r.xinfo_stream(self.keys.events)
+            except ResponseError as e:
+                if "no such key" not in str(e).lower():
+                    raise
+                return "gone"  # the stream was deleted (Redis flushed) after we read from it
+
+        info = await self.link.call(stream_info)
+        if info == "gone":
+            return True
         first = (info or {}).get("first-entry") if isinstance(info, dict) else None
         if not first:
             return False

@@ -11,8 +11,8 @@ class APIError(Exception):
         super().__init__(message)
         self.headers = headers
         self.status = status
-        self.message = message
-        self.param = param
+        self.message = _utf8(message)  # messages quote what the client sent, lone surrogates included
+        self.param = param if param is None else _utf8(param)
         self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
                               415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
                               500: "internal_error"}.get(status, "api_error")
@@ -23,6 +23,11 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _utf8(text: str) -> str:
+    """`text` with any lone surrogate written as its escape, so that it encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -8,6 +8,7 @@ from prometheus_client import Counter, Gauge, Histogram
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 REQUESTS = Counter("splitserve_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"])
+CLIENT_CLOSED = "499"  # REQUESTS' status of a request whose client left before its end (nginx's client-closed)
 TTFT = Histogram("splitserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)
 ITL = Histogram("splitserve_inter_token_latency_seconds", "Time between output tokens",
                 buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))

@@ -1,7 +1,8 @@
 """Parsing and validating OpenAI chat/completions requests into one internal `GenerationSpec`.
 
 Every field is either supported, explicitly unsupported (400 naming it), or unknown (400 naming it): nothing
-is silently ignored, except `user` and `metadata`, which carry no behaviour.
+is silently ignored, except `user` and `metadata`, which carry no behaviour. The ranges below are what the
+gateway's OpenAPI document (`openapi.py`) publishes: one table for both.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.common.sampling import SamplingParams
+from splitserve.common.sampling import MAX_SEED, SamplingParams, random_seed
 from splitserve.router.errors import APIError, bad
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "user",
@@ -22,6 +23,23 @@ CHAT_ONLY = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "t
 COMPLETION_ONLY = {"prompt", "logprobs", "echo", "best_of", "suffix"}
 UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "modalities", "audio",
                "prediction", "web_search_options", "suffix"}
+
+# Numeric fields: name -> (integer?, lowest, highest; None: bounded per request). `_num` and `_int` check these.
+Range = tuple[bool, float, float | None]
+RANGES: dict[str, Range] = {
+    "temperature": (False, 0.0, 2.0),
+    "top_p": (False, 1e-9, 1.0),
+    "top_k": (True, -1, 1 << 20),
+    "seed": (True, 0, MAX_SEED),
+    "priority": (True, -1000, 1000),
+    "max_tokens": (True, 1, None),  # at most the context left after the prompt
+    "max_completion_tokens": (True, 1, None),
+    "min_tokens": (True, 0, None),  # at most max_tokens
+}
+CHAT_RANGES: dict[str, Range] = {"top_logprobs": (True, 0, 20)}
+COMPLETION_RANGES: dict[str, Range] = {"logprobs": (True, 0, 5)}
+MAX_STOP = 16
+MESSAGE_ROLES = ("system", "user", "assistant", "developer")
 
 
 @dataclass
@@ -37,7 +55,8 @@ class GenerationSpec:
     session_key: str | None = None  # the OpenAI `user` field or the session header: routing affinity
 
 
-def _num(body: dict, name: str, lo: float, hi: float, default: float) -> float:
+def _num(body: dict, name: str, default: float) -> float:
+    _, lo, hi = RANGES[name]
     v = body.get(name)
     if v is None:
         return default
@@ -46,7 +65,11 @@ def _num(body: dict, name: str, lo: float, hi: float, default: float) -> float:
     return float(v)
 
 
-def _int(body: dict, name: str, lo: int, hi: int, default: int | None) -> int | None:
+def _int(body: dict, name: str, default: int | None, hi: int | None = None,
+         ranges: dict[str, Range] = RANGES) -> int | None:
+    """`hi`: this request's own bound, for a field the table leaves open."""
+    _, lo, top = ranges[name]
+    lo, hi = int(lo), int(hi if top is None else top)
     v = body.get(name)
     if v is None:
         return default
@@ -62,6 +85,15 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     if not isinstance(v, bool):
         raise bad(f"'{name}' must be a boolean", name)
     return v
+
+
+def _unicode(text: str, param: str) -> str:
+    """JSON's \\u escapes can make lone surrogates, which no tokenizer or protobuf string takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"'{param}' is not valid Unicode (a lone surrogate at {e.start})", param) from None
+    return text
 
 
 def check_fields(body: Any, allowed: set[str]) -> dict:
@@ -98,9 +130,9 @@ def _stop(body: dict) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 16 or any(not isinstance(s, str) or not s for s in stop):
-        raise bad("'stop' must be a non-empty string or a list of up to 16 non-empty strings", "stop")
-    return stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in stop):
+        raise bad(f"'stop' must be a non-empty string or a list of up to {MAX_STOP} non-empty strings", "stop")
+    return [_unicode(s, "stop") for s in stop]
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -123,7 +155,7 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
         raise bad("'messages' must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+        if not isinstance(m, dict) or m.get("role") not in MESSAGE_ROLES:
             raise bad(f"messages[{i}] must be an object with role system, user, assistant or developer", "messages")
         content = m.get("content")
         if isinstance(content, list):
@@ -135,6 +167,7 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        _unicode(content, "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": content})
     return out
@@ -164,23 +197,28 @@ def sampling(body: dict, prompt_len: int, max_model_len: int, chat: bool) -> tup
                   f"length {max_model_len}", names[-1], code="context_length_exceeded")
     if chat:
         want_lp = _bool(body, "logprobs")
-        top = _int(body, "top_logprobs", 0, 20, 0)
+        top = _int(body, "top_logprobs", 0, ranges=CHAT_RANGES)
         if top and not want_lp:
             raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
         lp = top if want_lp else None
     else:
-        lp = _int(body, "logprobs", 0, 5, None)
+        lp = _int(body, "logprobs", None, ranges=COMPLETION_RANGES)
         top = lp or 0
+    temperature = _num(body, "temperature", 1.0)
+    top_k = _int(body, "top_k", 0)
+    seed = _int(body, "seed", None)
+    if seed is None and temperature >= SamplingParams.MIN_TEMPERATURE and top_k != 1:
+        seed = random_seed()  # a sampled request is seeded here, so whichever worker samples a position draws the same
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
-            top_p=_num(body, "top_p", 1e-9, 1.0, 1.0),
-            top_k=_int(body, "top_k", -1, 1 << 20, 0),
-            seed=_int(body, "seed", 0, (1 << 63) - 1, None),
+            temperature=temperature,
+            top_p=_num(body, "top_p", 1.0),
+            top_k=top_k,
+            seed=seed,
             stop=_stop(body),
             ignore_eos=_bool(body, "ignore_eos"),
-            min_tokens=_int(body, "min_tokens", 0, max_tokens, 0),
+            min_tokens=_int(body, "min_tokens", 0, hi=max_tokens),
             logprobs=lp,
         )
     except ValueError as e:
@@ -218,10 +256,12 @@ def parse(body: Any, chat: bool, tokenizer, max_model_len: int, model_names: set
             _check_chars(len(p), max_prompt_chars, max_model_len, "prompt")
         prompt = completion_prompt(body, tokenizer)
     params, top = sampling(body, len(prompt), max_model_len, chat)
-    priority = _int(body, "priority", -1000, 1000, 0)
+    priority = _int(body, "priority", 0)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("'user' must be a string", "user")
+    if user:
+        _unicode(user, "user")
     return GenerationSpec(prompt, params, stream, include_usage, chat, params.logprobs is not None, top, priority,
                           user or None)
 
@@ -233,7 +273,7 @@ def completion_prompt(body: dict, tokenizer) -> list[int]:
     if isinstance(p, str):
         if not p:
             raise bad("'prompt' must not be empty", "prompt")
-        return tokenizer.encode(p)
+        return tokenizer.encode(_unicode(p, "prompt"))
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         if any(not 0 <= t < tokenizer.vocab_size for t in p):
             raise bad(f"'prompt' token ids must be in [0, {tokenizer.vocab_size})", "prompt")

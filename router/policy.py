@@ -7,9 +7,11 @@ simulator runs the very same objects.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
+import inspect
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
@@ -284,14 +286,30 @@ POLICIES: dict[str, Callable[..., RoutingPolicy]] = {
 }
 
 
-def make_policy(name: str, **settings) -> RoutingPolicy:
-    """The policy named in config (`router.policy`), built with its settings (those it does not take are
-    ignored, so one call site serves every policy)."""
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}") from None
-    import inspect
+class PolicyError(ValueError):
+    """An unknown routing policy, or a setting that no policy takes (a misspelling): one line naming it."""
 
+
+def policy_settings() -> set[str]:
+    """Every setting some policy takes."""
+    return {p for factory in POLICIES.values() for p in inspect.signature(factory).parameters}
+
+
+def _hint(word: str, valid: Collection[str]) -> str:
+    close = difflib.get_close_matches(word, list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def make_policy(name: str, **settings) -> RoutingPolicy:
+    """The policy named in config (`router.policy`), built with its settings. A setting another policy takes is
+    passed over (so one call site serves every policy); one that no policy takes is refused, as is an unknown
+    name: `PolicyError`, naming it and the valid ones."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise PolicyError(f"unknown routing policy {name!r}{_hint(name, POLICIES)}; valid: {', '.join(POLICIES)}")
+    known = policy_settings()
+    for key in sorted(settings):
+        if key not in known:
+            raise PolicyError(f"unknown routing setting {key!r}{_hint(key, known)}; valid: {', '.join(sorted(known))}")
     accepted = inspect.signature(factory).parameters
     return factory(**{k: v for k, v in settings.items() if k in accepted})

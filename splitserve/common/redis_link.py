@@ -1,7 +1,8 @@
 """A component's link to Redis (one server or a Redis Cluster, detected from the server itself), with degraded
 mode built in: every call has a short deadline, a failure marks the link down, and a background task
 reconnects. Callers ask `client()` (None while down) and carry on without Redis; `on_up` callbacks run when it
-comes back, so state that lives in Redis can be rebuilt.
+comes back, so state that lives in Redis can be rebuilt. Only a failure to reach Redis degrades: a call that
+Redis answers with an error (a wrong command, a wrong type) is a bug and raises.
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ from prometheus_client import Gauge
 
 log = logging.getLogger("splitserve.redis")
 REDIS_UP = Gauge("splitserve_redis_up", "1 while this process reaches Redis")
+
+
+def unreachable_errors() -> tuple[type[BaseException], ...]:
+    """What a call raises when Redis cannot be reached or cannot serve now: connection refused or lost, a
+    timeout (ours or the client's), a server still loading, a cluster without a master for the key's slot."""
+    from redis import exceptions as rx
+
+    return (rx.ConnectionError, rx.TimeoutError, TimeoutError, OSError, rx.ClusterDownError, rx.TryAgainError,
+            rx.SlotNotCoveredError)
 
 
 async def connect(url: str, timeout: float = 1.0):
@@ -98,13 +108,14 @@ class RedisLink:
             await self._try_connect()
 
     async def call(self, fn: Callable, default=None):
-        """`await fn(client)` with the link's deadline; on failure the link goes down and `default` is returned."""
+        """`await fn(client)` with the link's deadline. If Redis cannot be reached the link goes down and
+        `default` is returned (callers go on without Redis); any other error raises."""
         client = self.client()
         if client is None:
             return default
         try:
             return await asyncio.wait_for(fn(client), 2 * self.timeout)
-        except Exception as e:  # noqa: BLE001 - degraded mode: callers go on without Redis
+        except unreachable_errors() as e:
             self.failed(e)
             return default
 

@@ -36,6 +36,7 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         has_seed=p.seed is not None, seed=p.seed or 0, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos, want_logprobs=p.logprobs is not None, top_logprobs=p.logprobs or 0,
         min_tokens=p.min_tokens, include_stop_str_in_output=p.include_stop_str_in_output,
+        output_offset=p.output_offset,
     )
 
 
@@ -46,6 +47,7 @@ def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
             seed=m.seed if m.has_seed else None, stop=list(m.stop), stop_token_ids=list(m.stop_token_ids),
             ignore_eos=m.ignore_eos, logprobs=m.top_logprobs if m.want_logprobs else None,
             min_tokens=m.min_tokens, include_stop_str_in_output=m.include_stop_str_in_output,
+            output_offset=m.output_offset,
         )
     except ValueError as e:
         raise ProtocolError(f"params: {e}") from None
