@@ -8,29 +8,34 @@ Two loops per role, then the hard bounds:
 - the fast loop, every call, reacts to a burst (a prefill queue that takes longer than part of the TTFT
   objective to drain; decode requests waiting for KV or seats) and to SLO misses, attributed to the role
   whose queue explains them; it sizes for the load now plus the backlog, skipping the planner's schedule;
+- burst memory: a burst's need is kept as the role's peak, halving every `burst_memory_s` (2x the scale-down
+  cooldown); while it is above the plan the role keeps capacity for it at full utilisation (bursts shorter than a cold start can only be
+  served by replicas already there);
 - two slow corrections learned from measurements: prefill's busy time against the profile's prediction, and
   an integral loop that lowers a role's target utilisation while its latency p90 misses the objective (and
   raises it, up to `max_utilization`, while every p90 is well inside).
 Scale-up: to the larger of the two targets, at most once per `scale_up_cooldown_s`. Scale-down: only when the
 utilisation would stay under `low_utilization`, no pressure is seen, `scale_down_cooldown_s` has passed since
 the role's last change, and to the largest target recommended over the stabilisation window (the cooldown,
-stretched after a scale-down a burst proved wrong; no flapping). Finally `bounds.clamp` applies min/max, the
+stretched after a scale-down a burst within a cold start proved wrong; no flapping). The state is
+`law_state.ControllerState`, versioned JSON an actuator may keep durable (the operator: status.lawState). Finally `bounds.clamp` applies min/max, the
 ratio bounds and the GPU budget.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from splitserve.autoscaler.bounds import Bounds, clamp
+from splitserve.autoscaler.law_state import ROLES, ControllerState, RoleState
 from splitserve.autoscaler.observations import Observation, Percentiles, RoleObservation
 from splitserve.autoscaler.planner import Needs, forecast, needs
 from splitserve.autoscaler.profile import KV_HEADROOM, ReplicaProfile, capacity_at_slo
 from splitserve.common.config import ClusterSpec
 
-ROLES = ("prefill", "decode")
+__all__ = ["ROLES", "ControllerState", "LawConfig", "RoleDecision", "RoleState", "ScalingDecision", "decide"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class LawConfig:
     min_slo_factor: float = 0.3  # SLO misses may lower a role's utilisation target down to this fraction of it
     max_utilization: float = 0.95  # slack under the objectives may raise a role's utilisation target up to this
     max_hold_factor: float = 4.0  # regret may stretch the stabilisation window up to this x the cooldown
+    prefill_scale_down_s: float | None = None  # prefill's cooldown and base window (None: the scale-down cooldown)
+    burst_memory_s: float | None = None  # half-life of a burst's peak kept (None: 2 x scale-down cooldown; 0: none)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_utilization < self.target_utilization < self.high_utilization <= 1.0:
@@ -77,54 +84,6 @@ class LawConfig:
             high_utilization=min(1.0, target + 0.1), low_utilization=max(0.05, target - 0.2))
         values.update(overrides)
         return cls(**values)
-
-
-@dataclass(frozen=True)
-class RoleState:
-    """The law's memory of one role between calls."""
-
-    last_up: float = -math.inf  # s, last scale-up
-    last_change: float = -math.inf  # s, last change either way
-    history: tuple[tuple[float, float], ...] = ()  # (s, need in replicas) over the trend window
-    planned: float | None = None  # the planner's need at its last run (replicas, before utilisation)
-    planned_at: float = -math.inf  # s
-    recent: tuple[tuple[float, int], ...] = ()  # (s, target) over the last scale-down cooldown
-    correction: float = 1.0  # measured prefill busy time / the profile's prediction (smoothed)
-    slo_factor: float = 1.0  # the role's utilisation target is scaled by this, lowered while the SLO is missed
-    mean_input: float = 0.0  # prompt tokens per request, smoothed over minutes (prefill's queueing headroom)
-    last_down: float = -math.inf  # s, last scale-down
-    last_burst: float = -math.inf  # s, last burst the fast loop answered
-    hold_s: float = 0.0  # s, the stabilisation window now (0: the scale-down cooldown); grows on regret
-
-
-@dataclass(frozen=True)
-class ControllerState:
-    """The law's whole memory: an actuator passes back what the last decision returned (and may keep it in
-    the custom resource's status, `to_json`/`from_json`, to survive a restart)."""
-
-    prefill: RoleState = field(default_factory=RoleState)
-    decode: RoleState = field(default_factory=RoleState)
-
-    def role(self, name: str) -> RoleState:
-        return self.prefill if name == "prefill" else self.decode
-
-    def to_json(self) -> dict[str, Any]:
-        def enc(v: Any) -> Any:
-            return None if isinstance(v, float) and math.isinf(v) else v  # JSON has no infinity
-
-        return {role: {k: enc(v) for k, v in asdict(self.role(role)).items()} for role in ROLES}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ControllerState:
-        def role(d: dict[str, Any]) -> RoleState:
-            d = dict(d)
-            for k in ("last_up", "last_change", "planned_at", "last_down", "last_burst"):
-                d[k] = -math.inf if d.get(k) is None else d[k]
-            d["history"] = tuple(tuple(x) for x in d.get("history", ()))
-            d["recent"] = tuple(tuple(x) for x in d.get("recent", ()))
-            return RoleState(**d)
-
-        return cls(prefill=role(data["prefill"]), decode=role(data["decode"]))
 
 
 @dataclass(frozen=True)
@@ -240,7 +199,11 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) ->
     if burst:
         target = max(target, _at(max(planned, need) + _backlog_need(role, ro, n, c), u) + c.warm_replicas,
                      current + 1 if ro.replicas_starting == 0 else current)
-    rs = _hold(rs, burst, now, c)
+    rs = _remember(rs, burst, now, max(planned, need) + _backlog_need(role, ro, n, c) if burst else 0.0, c)
+    peak = _peak(rs, now, c)
+    if peak > planned:  # bursts recur within the memory: keep their capacity, at full utilisation
+        target = max(target, _at(peak, c.max_utilization) + c.warm_replicas)
+    rs = _hold(role, rs, burst, now, c)
     recent = tuple((t, v) for t, v in rs.recent if now - t < rs.hold_s) + ((now, target),)
     rs = replace(rs, recent=recent)
 
@@ -256,28 +219,65 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) ->
         return plan(current, f"hold {current}: {why}, replicas already starting")
     stable = max(v for _, v in recent)
     if (stable < current and planned < low * base and _calm(role, ro, c)
-            and now - rs.last_change >= c.scale_down_cooldown_s):
+            and now - rs.last_change >= _base_hold(role, c)):
         return plan(stable, f"down {current}->{stable}: need {planned:.2f} < {low:.2f} of {base} "
                             f"for {rs.hold_s:g} s")
     util = planned / base if base > 0 else 0.0
     return plan(current, f"hold {current}: utilisation {util:.2f} (target {u:.2f})")
 
 
-def _hold(rs: RoleState, burst: bool, now: float, c: LawConfig) -> RoleState:
+def _base_hold(role: str, c: LawConfig) -> float:
+    """A role's scale-down cooldown and base stabilisation window: the configured cooldown, or for prefill
+    `prefill_scale_down_s` when set (a prefill replica drains in seconds, a decode replica for its requests'
+    whole outputs). Not shorter by default: on the Azure code trace a 120 s prefill window lost 6 points of
+    attainment and saved nothing, since the replicas it gave back were bought again within minutes."""
+    if role == "prefill" and c.prefill_scale_down_s is not None:
+        return c.prefill_scale_down_s
+    return c.scale_down_cooldown_s
+
+
+def _hold(role: str, rs: RoleState, burst: bool, now: float, c: LawConfig) -> RoleState:
     """The stabilisation window (scale-down keeps the largest target seen over it), learned from regret.
 
     A burst that needs replicas within a cold start after a scale-down means that scale-down was a mistake the
-    cold start cannot undo in time: the window doubles (up to `max_hold_factor` x the cooldown), so capacity
-    for bursts that recur every few minutes stays. A whole window without a burst halves it back."""
-    hold = rs.hold_s or c.scale_down_cooldown_s
+    cold start cannot undo in time: the window doubles (up to `max_hold_factor` x the base), so capacity
+    for bursts that recur every few minutes stays. A burst later than that was not made worse by the scale-down
+    (replicas kept would have idled longer than a cold start takes). A whole window without a burst halves it."""
+    base = _base_hold(role, c)
+    hold = rs.hold_s or base
     if burst:
-        if now - rs.last_down < c.model_load_s + rs.hold_s + c.scale_up_cooldown_s and now - rs.last_burst > hold / 4:
-            hold = min(c.max_hold_factor * c.scale_down_cooldown_s, 2 * hold)
+        if now - rs.last_down < c.model_load_s + c.scale_up_cooldown_s and now - rs.last_burst > hold / 4:
+            hold = min(c.max_hold_factor * base, 2 * hold)
         return replace(rs, hold_s=hold, last_burst=now)
-    if now - rs.last_burst > hold and hold > c.scale_down_cooldown_s:
-        hold = max(c.scale_down_cooldown_s, hold / 2)
+    if now - rs.last_burst > hold and hold > base:
+        hold = max(base, hold / 2)
         return replace(rs, hold_s=hold, last_burst=now - hold / 2)  # halve at most once per half window
     return replace(rs, hold_s=hold)
+
+
+def _memory_s(c: LawConfig) -> float:
+    """The burst memory's half-life: twice the scale-down cooldown unless set (the cooldown is how long the
+    cluster's owner wants capacity to outlive a trough; 600 s at the default 300 s)."""
+    return 2 * c.scale_down_cooldown_s if c.burst_memory_s is None else c.burst_memory_s
+
+
+def _peak(rs: RoleState, now: float, c: LawConfig) -> float:
+    """The largest burst need seen, halved every `_memory_s` since it was seen (replicas)."""
+    if _memory_s(c) <= 0 or rs.peak_need <= 0:
+        return 0.0
+    return rs.peak_need * 0.5 ** (max(0.0, now - rs.peak_at) / _memory_s(c))
+
+
+def _remember(rs: RoleState, burst: bool, now: float, burst_need: float, c: LawConfig) -> RoleState:
+    """Burst memory: a burst's need (this window's load plus its backlog) is kept as the role's peak, decaying
+    with a half-life of `_memory_s`. Bursts shorter than a cold start can only be served by capacity that
+    is already there; the peak keeps it while bursts recur, sized at full utilisation, so a role whose bursts
+    are mild (a peak a little above the plan) pays nothing for it and one whose bursts are several times its
+    base load keeps their capacity for minutes, then lets it go."""
+    if not burst or _memory_s(c) <= 0:
+        return rs
+    peak = _peak(rs, now, c)
+    return replace(rs, peak_need=max(peak, burst_need), peak_at=now) if burst_need > peak else rs
 
 
 def _correct(role: str, ro: RoleObservation, n: Needs, rs: RoleState, c: LawConfig) -> RoleState:

@@ -1,5 +1,6 @@
-"""The SLO autoscaler against the oracle, the best static P:D and the anchors' laws, on the three shared traces,
-in the simulator with 8B-shaped costs (and the simulator against a real `splitserve up` on this CPU).
+"""The SLO autoscaler against the oracle, the best static P:D and the anchors' laws, on the three shared traces and
+a generated bursty, prefill-heavy one (autoscaler/sim/bursty.py, seed 0), in the simulator with 8B-shaped costs
+(and the simulator against a real `splitserve up` on this CPU).
 
   --measure-gpu on a GPU: our engine's step times for an 8B-shaped model (dummy weights, serving settings: token
                 budget 2048, 128 seqs) at 1k..16k contexts, chunked prefill up to 32k tokens, and the engine's
@@ -12,6 +13,8 @@ in the simulator with 8B-shaped costs (and the simulator against a real `splitse
   (default)     for each trace at its scale: the oracle (cheapest static P:D per 5-minute window), the best static
                 P:D, the SLO law, Ray Serve LLM's, llm-d WVA's and Dynamo's load-mode law: SLO attainment,
                 GPU-seconds against the oracle's, a table and a last JSON line; results/autoscaling_<trace>.json
+  --robustness  each --only law (default slo) under another seed, a profile 20% off either way and cold starts of
+                30 s and 120 s -> results/autoscaling_robustness.{md,json} (JSON lines, the summary last)
 Runs are spread over --jobs processes (each rebuilds its requests from the trace: same seed, same requests).
 """
 
@@ -42,7 +45,7 @@ CPU_PROFILE = PROFILE_DIR / "cpu2_smollm2.json"
 @dataclass(frozen=True)
 class TraceCase:
     name: str
-    file: str
+    file: str  # under TRACES, or "generated:bursty" (autoscaler/sim/bursty.py, seed 0)
     rate_scale: float  # requests replayed per trace request: sets the cluster size (8..64 GPUs)
     max_input: int = 131072
 
@@ -51,6 +54,7 @@ CASES = {
     "azure_conv": TraceCase("azure_conv", "azure_conv_2023.csv", 32.0),
     "azure_code": TraceCase("azure_code", "azure_code_2023.csv", 10.0),
     "mooncake": TraceCase("mooncake", "mooncake_conversation.jsonl", 3.0),
+    "bursty": TraceCase("bursty", "generated:bursty", 16.0),
 }
 POLICIES = ("slo", "slo_warm2", "ray", "wva", "dynamo")  # slo_warm2: the same law with autoscaling.warmReplicas 2
 COLD = ("slo@2x2", "ray@2x2", "wva@2x2", "dynamo@2x2")  # the same laws from a small start (a fresh deployment)
@@ -59,15 +63,24 @@ JOIN_QUANTUM_S = 0.02  # decode joins at most 20 ms late (fewer events; see auto
 
 
 # -- one experiment, rebuilt in each process ------------------------------------------------------------------
-def experiment(case: TraceCase, duration: float | None, gpus: int):
+def trace_rows(case: TraceCase):
+    from splitserve.autoscaler.sim import bursty, trace
+
+    if case.file == "generated:bursty":
+        return bursty.generate(bursty.BurstyConfig(max_prompt=case.max_input), seed=0)[0]
+    return trace.read_trace(TRACES / case.file, max_input=case.max_input)
+
+
+def experiment(case: TraceCase, duration: float | None, gpus: int, seed: int = 0, model_load_s: float | None = None):
     from splitserve.autoscaler.profile import ReplicaProfile
     from splitserve.autoscaler.sim import trace
     from splitserve.autoscaler.sim.experiment import Experiment
     from splitserve.common.config import ClusterSpec
 
-    rows = trace.read_trace(TRACES / case.file, max_input=case.max_input)
-    requests = trace.scale(rows, rate_scale=case.rate_scale, duration_s=duration, seed=0)
+    requests = trace.scale(trace_rows(case), rate_scale=case.rate_scale, duration_s=duration, seed=seed)
     spec = ClusterSpec()
+    if model_load_s is not None:  # the simulated cold start, and the law's modelLoadSeconds measured to match
+        spec.autoscaling.model_load_seconds = model_load_s
     spec.autoscaling.mode = "slo"
     spec.autoscaling.gpu_budget = gpus
     for role in (spec.prefill, spec.decode):
@@ -181,6 +194,87 @@ def benchmark(names: list[str], duration: float | None, gpus: int, jobs: int, pl
                 plot_trace(name, result)
             all_out[name] = result
     return all_out
+
+
+ROBUSTNESS = {  # variant: (seed, the simulated steps x this against the law's profile, cold start s)
+    "base": (0, 1.0, None), "seed 1": (1, 1.0, None), "steps -20%": (0, 0.8, None), "steps +20%": (0, 1.2, None),
+    "cold start 30 s": (0, 1.0, 30.0), "cold start 120 s": (0, 1.0, 120.0)}
+
+
+def task_robust(case: TraceCase, duration: float | None, gpus: int, policy: str, variant: str,
+                initial: tuple[int, int]) -> dict[str, Any]:
+    """One law under one robustness variant: another seed (other copies' jitter), a profile wrong by 20% (the
+    simulated cluster's steps scaled, the law keeps the committed profile) or another cold start (simulated and
+    the law's modelLoadSeconds alike: it is measured)."""
+    from dataclasses import replace
+
+    from splitserve.autoscaler.profile import StepCost
+    from splitserve.autoscaler.sim.report import summary
+    from splitserve.autoscaler.sim.simulator import simulate
+
+    seed, k, load = ROBUSTNESS[variant]
+    exp = experiment(case, duration, gpus, seed=seed, model_load_s=load)
+    c = exp.profile.cost
+    truth = replace(exp.profile, cost=StepCost(c.base_s * k, c.per_seq_s * k, c.per_token_s * k, c.knee_tokens,
+                                               c.per_ctx_token_s * k, c.per_attn_pair_s * k))
+    settings = replace(settings_of(exp), profile=truth)
+    t0 = time.perf_counter()
+    res = simulate(exp.requests, settings, exp.law(policy), initial)
+    return summary(res) | {"policy": policy, "variant": variant, "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, policies: list[str]) -> dict[str, Any]:
+    """Each law on each trace under every ROBUSTNESS variant; GPU-seconds against the base oracle (the oracle is
+    not re-searched per variant: it pays no cold start, and seeds and profile errors move it little) and against
+    the same law's base run. -> results/autoscaling_robustness.{json,md}"""
+    out: dict[str, Any] = {"duration_s": duration, "gpu_budget": gpus, "variants": {k: list(v) for k, v in
+                                                                                    ROBUSTNESS.items()}, "traces": {}}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for name in names:
+            case = CASES[name]
+            base = json.loads((RESULTS / f"autoscaling_{name}.json").read_text())
+            if base["duration_s"] != duration:
+                raise SystemExit(f"results/autoscaling_{name}.json is for duration {base['duration_s']}: run the "
+                                 "benchmark with the same --duration first (robustness reuses its oracle)")
+            oracle_s = base["policies"]["oracle"]["gpu_seconds"]
+            initial = tuple(base["initial"])
+            tasks = [(p, v) for p in policies for v in ROBUSTNESS]
+            runs = list(pool.map(task_robust, *zip(*[(case, duration, gpus, p, v, initial) for p, v in tasks],
+                                                   strict=True)))
+            rows = []
+            for r in runs:
+                ref = next(x for x in runs if x["policy"] == r["policy"] and x["variant"] == "base")
+                rows.append({k: r[k] for k in ("policy", "variant", "slo_attainment", "feasible_attainment",
+                                               "gpu_seconds", "max_gpus", "failed", "scale_changes")}
+                            | {"gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3),
+                               "gpu_seconds_vs_base": round(r["gpu_seconds"] / ref["gpu_seconds"], 3),
+                               "feasible_attainment_change": round(r["feasible_attainment"]
+                                                                   - ref["feasible_attainment"], 4)})
+            out["traces"][name] = {"trace": case.file, "rate_scale": case.rate_scale, "oracle_gpu_seconds": oracle_s,
+                                   "runs": rows}
+    lines = ["# Robustness of the simulator's verdict", "",
+             "`benchmarks/autoscaling.py --robustness`: each law under another seed, a profile 20% off (the "
+             "simulated steps x0.8 / x1.2, the law keeps the committed profile) and cold starts of 30 s and 120 s "
+             "(simulated and configured). GPU-s against the base run's oracle and against the law's own base run.",
+             ""]
+    for name, t in out["traces"].items():
+        lines += [f"## {name} ({t['trace']} x{t['rate_scale']:g})", "",
+                  "| policy | variant | attainment | of feasible | change | GPU-s x oracle | x base | max GPUs | failed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['policy']} | {r['variant']} | {r['slo_attainment']:.3f} | {r['feasible_attainment']:.3f} | "
+                  f"{r['feasible_attainment_change']:+.3f} | {r['gpu_seconds_vs_oracle']:.2f} | "
+                  f"{r['gpu_seconds_vs_base']:.2f} | {r['max_gpus']} | {r['failed']} |" for r in t["runs"]]
+        lines.append("")
+    summary_line = {name: {f"{r['policy']}/{r['variant']}": [r["feasible_attainment"], r["gpu_seconds_vs_oracle"]]
+                           for r in t["runs"]} for name, t in out["traces"].items()}
+    header = {k: v for k, v in out.items() if k != "traces"}
+    runs = [{"trace": name, **r} for name, t in out["traces"].items() for r in t["runs"]]
+    (RESULTS / "autoscaling_robustness.json").write_text(  # JSON lines: the setup, one line a run, the summary last
+        "\n".join(json.dumps(x) for x in [header, *runs, {"summary": summary_line}]) + "\n")
+    (RESULTS / "autoscaling_robustness.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps(summary_line))
+    return out
 
 
 def print_trace(name: str, r: dict[str, Any]) -> None:
@@ -456,6 +550,9 @@ def main() -> None:
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--only", default="", help="run just these policies (law or law@PxD: another start), "
                     "added to the results file's; 'cold' = " + ",".join(COLD))
+    ap.add_argument("--robustness", action="store_true",
+                    help="each --only law (default slo) under another seed, +-20%% profile error and 30/120 s cold "
+                    "starts -> results/autoscaling_robustness.{md,json} (needs the traces' results files)")
     ap.add_argument("--reuse-baselines", action="store_true",
                     help="keep the oracle and best static of results/autoscaling_<trace>.json when its setup matches")
     args = ap.parse_args()
@@ -482,6 +579,9 @@ def main() -> None:
         for n in names:
             CASES[n] = TraceCase(CASES[n].name, CASES[n].file, args.rate_scale, CASES[n].max_input)
     only = list(COLD) if args.only == "cold" else [p for p in args.only.split(",") if p] or None
+    if args.robustness:
+        robustness(names, args.duration, args.gpus, args.jobs, only or ["slo"])
+        return
     if only and not args.reuse_baselines:
         ap.error("--only needs --reuse-baselines (it adds runs to a results file)")
     results = benchmark(names, args.duration, args.gpus, args.jobs, args.plot, args.reuse_baselines, only)

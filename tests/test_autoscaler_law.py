@@ -226,7 +226,7 @@ def test_scale_down_waits_for_the_cooldown_and_the_whole_stabilisation_window():
 
 
 def test_a_burst_right_after_a_scale_down_stretches_the_hold():
-    cfg = config(scale_down_cooldown_s=120.0, scale_up_cooldown_s=0.0)
+    cfg = config(scale_down_cooldown_s=120.0, scale_up_cooldown_s=0.0, burst_memory_s=0.0)  # the window alone
     kw = dict(d=2, out_tok_s=1.0 * DECODE_TOK_S)
     busy = steady(0, 10, p=8, prefill_tok_s=6.0 * PREFILL_TOK_S, **kw)
     quiet = steady(150, 12, p=8, prefill_tok_s=1.0 * PREFILL_TOK_S, **kw)

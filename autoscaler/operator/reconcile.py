@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from splitserve.autoscaler.operator import names
@@ -141,7 +141,8 @@ def reconcile(body: Mapping[str, Any], deps: Deps) -> dict[str, Any]:
         resource = resource_of(body)
         check(resource)
         current = _current(deps.kube, namespace, name)
-        decision = decide(resource.spec, deps.desired(resource.spec, _observe(current, name, namespace)))
+        observed = replace(_observe(current, name, namespace), law_state=(body.get("status") or {}).get("lawState"))
+        decision = decide(resource.spec, deps.desired(resource.spec, observed))
     except Unrealisable as e:
         return _degraded(old, e, generation)
     external = resource.spec.autoscaling.mode == "external"
@@ -202,7 +203,8 @@ def _healthy(old: ClusterStatus, resource: ClusterResource, decision: ReplicaDec
         observed_generation=generation, model=spec.model.served_name,
         prefill=f"{ready.prefill}/{desired.prefill}", decode=f"{ready.decode}/{desired.decode}",
         ratio=round(decision.prefill / decision.decode, 4) if spec.mode == "disaggregated" else None,
-        ready_replicas=ready, desired_replicas=desired, last_decision=last, conditions=conditions)
+        ready_replicas=ready, desired_replicas=desired, last_decision=last, conditions=conditions,
+        law_state=decision.law_state)
     return dump(status)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.autoscaler.bounds import Bounds, clamp
 from splitserve.common.config import ClusterSpec
@@ -21,6 +22,7 @@ class Observed:
     ready: dict[str, int] = field(default_factory=dict)  # ready pods per component
     cluster: str = ""  # the SplitServeCluster's name and namespace (a provider's per-cluster state)
     namespace: str = ""
+    law_state: dict[str, Any] | None = None  # status.lawState: the control law's memory the last pass kept
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class Wanted:
     prefill: int
     decode: int
     source: str  # where the numbers come from, for status.lastDecision.reason
+    law_state: dict[str, Any] | None = None  # the control law's memory to keep in status.lawState (slo/external)
 
 
 DesiredReplicas = Callable[[ClusterSpec, Observed], Wanted]
@@ -63,6 +66,7 @@ class ReplicaDecision:
     prefill: int
     decode: int
     reason: str
+    law_state: dict[str, Any] | None = None  # status.lawState (None: no law runs; the field is dropped)
 
 
 def decide(spec: ClusterSpec, wanted: Wanted) -> ReplicaDecision:
@@ -86,4 +90,4 @@ def decide(spec: ClusterSpec, wanted: Wanted) -> ReplicaDecision:
     if (prefill, decode) != (wanted.prefill if b.disaggregated else 0, wanted.decode):
         reason += (f"; asked prefill {wanted.prefill}, decode {wanted.decode}, clamped by "
                    + (", ".join(notes) or "the bounds"))
-    return ReplicaDecision(prefill, decode, reason)
+    return ReplicaDecision(prefill, decode, reason, wanted.law_state)

@@ -9,6 +9,11 @@ shared `Autoscaler` for each cluster in `slo` and `external` mode.
   KEDA/HPA, which scale the SplitServeRoles' scale subresource; the operator applies what they write.
 - manual: the spec's replicas.
 
+The law's memory (`ControllerState`) goes back with every answer (`Wanted.law_state`), the reconcile pass keeps
+it in the cluster's `status.lawState`, and a provider that has no `Autoscaler` for a cluster yet (a restarted
+operator) starts one from it: cooldowns, the forecast's history and the learned corrections carry over. Its
+clock is wall time, so the state's times mean the same in the next process.
+
 Observation sources are injected (`observers`), so tests give a real Redis and a metrics server of their own.
 """
 
@@ -16,10 +21,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from splitserve.autoscaler.actuator import Autoscaler, default_profile, forget, load_profile
+from splitserve.autoscaler.law_state import ControllerState
 from splitserve.autoscaler.observations import Observation
 from splitserve.autoscaler.observer import Observer
 from splitserve.autoscaler.operator import names
@@ -47,8 +54,10 @@ class SloReplicas:
     """`Deps.desired` for the SLO law; one `Autoscaler` (and its state) per cluster, kept in memory."""
 
     def __init__(self, observers: ObserverFactory = service_observer,
-                 profile: Callable[[ClusterSpec], ReplicaProfile] | None = None) -> None:
+                 profile: Callable[[ClusterSpec], ReplicaProfile] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.observers = observers
+        self.clock = clock  # wall time: the state's times outlive this process (status.lawState)
         self.profile = profile or self._default_profile
         self._scalers: dict[tuple[str, str], Autoscaler] = {}
         self._applied: dict[tuple[str, str], Wanted] = {}
@@ -71,7 +80,8 @@ class SloReplicas:
         with self._lock:
             scaler = self._scalers.get(key)
             if scaler is None:
-                scaler = Autoscaler(observed.cluster, spec, self.observers(*key, spec), self.profile(spec))
+                scaler = Autoscaler(observed.cluster, spec, self.observers(*key, spec), self.profile(spec),
+                                    clock=self.clock, state=self._restored(key, observed))
                 self._scalers[key] = scaler
             elif scaler.spec != spec:
                 scaler.configure(spec)
@@ -79,8 +89,9 @@ class SloReplicas:
             current = {"prefill": observed.role_replicas.get("prefill", spec.prefill.replicas),
                        "decode": observed.role_replicas.get("decode", spec.decode.replicas)}
             decision = scaler.tick(current)
-            if mode == "external":
-                return fallback  # the law's numbers are exported; HPA/KEDA apply them through /scale
+            state = scaler.state.to_json()
+            if mode == "external":  # the law's numbers are exported; HPA/KEDA apply them through /scale
+                return Wanted(fallback.prefill, fallback.decode, fallback.source, state)
             last = self._applied.get(key)
             if decision is not None and (last is None or decision.changed
                                          or (last.prefill, last.decode) != (decision.prefill.desired,
@@ -88,8 +99,23 @@ class SloReplicas:
                 last = Wanted(decision.prefill.desired, decision.decode.desired, f"slo: {decision.reason}")
                 self._applied[key] = last
             if last is None:  # no decision yet (the first observation only opens the window)
-                return Wanted(current["prefill"], current["decode"], "slo: waiting for the first observation window")
-            return last
+                return Wanted(current["prefill"], current["decode"], "slo: waiting for the first observation window",
+                              state)
+            return Wanted(last.prefill, last.decode, last.source, state)
+
+    @staticmethod
+    def _restored(key: tuple[str, str], observed: Observed) -> ControllerState | None:
+        """The state the last operator kept in status.lawState; none (start afresh, said in the log) when there is
+        none or it is not one this law reads."""
+        if observed.law_state is None:
+            return None
+        try:
+            state = ControllerState.from_json(observed.law_state)
+        except ValueError as e:
+            log.warning("%s/%s: status.lawState not restored, starting the law afresh: %s", *key, e)
+            return None
+        log.info("%s/%s: control law state restored from status.lawState", *key)
+        return state
 
     def forget(self, namespace: str, cluster: str) -> None:
         with self._lock:

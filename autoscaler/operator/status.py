@@ -6,7 +6,7 @@ keeping its lastTransitionTime until its status flips.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -80,6 +80,9 @@ class ClusterStatus(_Status):
     """Replicas desired per component (after the ratio and min/max clamps)."""
     last_decision: Decision | None = None
     """The last replica decision."""
+    law_state: dict[str, Any] | None = None
+    """The SLO control law's memory (slo and external modes; versioned JSON, autoscaler/law_state.py): a restarted
+    operator continues from it instead of starting the law afresh."""
     conditions: list[Condition] = Field(default_factory=list)
     """Ready, Progressing and Degraded."""
 

@@ -1,0 +1,70 @@
+"""The law's answers to bursts, on hand-made metric streams (the toy profile of test_autoscaler_law.py: a prefill
+replica computes ~9,900 prompt tokens/s): the burst memory that keeps capacity for bursts that recur, and regret only
+for a scale-down a cold start could not undo.
+"""
+
+from __future__ import annotations
+
+import math
+
+from test_autoscaler_law import DECODE_TOK_S, PREFILL_TOK_S, config, obs, run, steady
+
+KW = dict(d=2, out_tok_s=1.0 * DECODE_TOK_S)
+
+
+def burst_then_quiet(t_burst: float, quiet_windows: int, need: float = 8.0):
+    before = steady(0, 10, p=2, prefill_tok_s=1.0 * PREFILL_TOK_S, **KW)
+    burst = [obs(t_burst, p=2, prefill_tok_s=need * PREFILL_TOK_S, queue_tokens=300_000, queued=300, ttft_p90=4.0,
+                 **KW)]
+    after = steady(t_burst + 15, quiet_windows, p=2, prefill_tok_s=1.0 * PREFILL_TOK_S, **KW)
+    return before + burst + after
+
+
+def test_burst_memory_keeps_the_peak_s_capacity_and_lets_it_go_by_half_lives():
+    """A burst of 8 replicas' load (and a queue worth 0.5 more) on a pool sized for 1: with a 600 s memory the
+    pool keeps capacity for that peak, halved every 600 s, at the 0.8 utilisation cap; without it the pool goes
+    back to ceil(1 / 0.8) = 2 once the stabilisation window has passed."""
+    stream = burst_then_quiet(150, 44)
+    kept = run(stream, config(scale_down_cooldown_s=120.0, scale_up_cooldown_s=0.0, burst_memory_s=600.0))
+    gone = run(stream, config(scale_down_cooldown_s=120.0, scale_up_cooldown_s=0.0, burst_memory_s=0.0))
+    up = next(d for d in kept if d.time == 150)
+    peak = up.state.prefill.peak_need
+    assert up.prefill.action == "up" and 8.3 < peak < 8.7  # 8 + 300k tokens over a cold start (~0.49)
+    assert gone[-1].prefill.desired == 2
+    t_end = kept[-1].time
+    assert t_end - 150 >= 600
+    def at(age: float) -> int:  # replicas for the peak decayed over `age` s, at the 0.8 cap
+        return math.ceil(peak * 0.5 ** (age / 600) / 0.8 - 1e-9)
+
+    # scale-downs are a cooldown (120 s) apart, so the pool follows the decay at most that late
+    assert at(t_end - 150) <= kept[-1].prefill.desired <= at(t_end - 150 - 120) < up.prefill.desired
+    assert kept[-1].prefill.desired >= 4
+    after = [d.prefill.desired for d in kept if d.time > 150]
+    assert after == sorted(after, reverse=True)  # it only decays: no flapping on the way down
+
+
+def test_a_burst_long_after_a_scale_down_is_no_regret():
+    """Regret stretches the stabilisation window only for a burst within a cold start (+ the scale-up cooldown)
+    of a scale-down; one later would have found the replicas idle all that time."""
+    cfg = config(scale_down_cooldown_s=120.0, scale_up_cooldown_s=0.0, burst_memory_s=0.0)
+    busy = steady(0, 10, p=8, prefill_tok_s=6.0 * PREFILL_TOK_S, **KW)
+    quiet = steady(150, 12, p=8, prefill_tok_s=1.0 * PREFILL_TOK_S, **KW)
+    down = next(d for d in run(busy + quiet, cfg) if d.prefill.action == "down")
+    for gap, stretched in ((30, True), (105, False)):  # 105 s: past 60 s load + 30 s cooldown, before the next down
+        t = down.time + gap
+        burst = [obs(t, p=down.prefill.desired, prefill_tok_s=6.0 * PREFILL_TOK_S, queue_tokens=300_000, queued=300,
+                     ttft_p90=4.0, **KW)]
+        between = [o for o in steady(down.time + 15, 20, p=8, prefill_tok_s=1.0 * PREFILL_TOK_S, **KW) if o.time < t]
+        decisions = run(busy + [o for o in quiet if o.time <= down.time] + between + burst, cfg)
+        assert decisions[-1].prefill.action == "up"
+        assert (decisions[-1].state.prefill.hold_s == 240.0) is stretched, (gap, decisions[-1].state.prefill.hold_s)
+
+
+def test_burst_memory_follows_the_scale_down_cooldown_unless_set():
+    """Unset, the memory's half-life is twice the scale-down cooldown (a cluster that wants capacity gone after
+    10 s of calm does not keep a burst's for ten minutes)."""
+    stream = burst_then_quiet(150, 20)
+    short = run(stream, config(scale_down_cooldown_s=10.0, scale_up_cooldown_s=0.0))
+    long = run(stream, config(scale_down_cooldown_s=10.0, scale_up_cooldown_s=0.0, burst_memory_s=600.0))
+    assert short[-1].prefill.desired == 2  # ceil(1 / 0.8): the 20 s half-life has run out
+    assert long[-1].prefill.desired >= 6
