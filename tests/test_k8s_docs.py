@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from test_k8s_schema import admit
 
 from splitserve.autoscaler.operator.children import children, owner_reference
-from splitserve.autoscaler.operator.crd import cluster_crd, crd_yaml
+from splitserve.autoscaler.operator.crd import cluster_crd, crd_yaml, role_crd
 from splitserve.autoscaler.operator.reconcile import resource_of
 from splitserve.autoscaler.operator.replicas import Observed, decide, spec_or_scale
 from splitserve.cli import app
@@ -68,13 +68,76 @@ def operator_objects(cluster: dict) -> list[dict]:
     return children(resource, decision, owner_reference(cluster))
 
 
+def _values(argv: list[str]) -> dict:
+    """The values a `helm install ... -f FILE...` line installs with (files merged in order, over the defaults)."""
+    values = yaml.safe_load((ROOT / argv[3] / "values.yaml").read_text())
+    for path in argv[5::2]:
+        values = _merge(values, yaml.safe_load((ROOT / path).read_text()))
+    return values
+
+
+def _option(argv: list[str], name: str) -> str:
+    """`--name VALUE` or `--name=VALUE`."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"{shlex.join(argv)}: no {name}")
+
+
+def _private_registry_values() -> dict:
+    """The values of the docs' install from your own registry: the one that names image pull Secrets."""
+    installs = [_values(a) for a in commands("sh") if a[:2] == ["helm", "install"]]
+    [values] = [v for v in installs if v["operator"].get("imagePullSecrets")]
+    return values
+
+
+def _buildx(argv: list[str], workflow: dict) -> None:
+    """`docker buildx build --platform P --target T -t TAG --push .`: a Dockerfile stage, the release workflow's
+    platforms for it, and the image the docs' private-registry values run."""
+    target, tag, platforms = _option(argv, "--target"), _option(argv, "-t"), _option(argv, "--platform")
+    assert re.search(rf"^FROM \S+ AS {target}$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert "--push" in argv and argv[-1] == "."
+    matrix = {m["target"]: m["platforms"] for m in workflow["jobs"]["image"]["strategy"]["matrix"]["include"]}
+    assert platforms == matrix[target]
+    values = _private_registry_values()
+    assert tag == values["cluster"]["spec"]["images"][target]
+    if target == "gateway":
+        assert tag == values["operator"]["image"]
+
+
 def test_sh_examples(tmp_path):
     produced: dict[str, str] = {}
+    workflow = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
     ran = 0
     for argv in commands("sh"):
         if argv[:2] == ["helm", "install"]:
             kinds = {d["kind"] for d in helm_install(argv)}
             assert {"Deployment", "SplitServeCluster"} <= kinds
+        elif argv[:3] == ["docker", "buildx", "build"]:
+            _buildx(argv, workflow)
+        elif argv[:4] == ["docker", "buildx", "imagetools", "create"]:
+            mirror, source = _option(argv, "-t"), argv[-1]
+            assert source == ImagesSpec().redis
+            assert mirror == _private_registry_values()["cluster"]["spec"]["images"]["redis"]
+        elif argv[:4] == ["kubectl", "create", "secret", "docker-registry"]:
+            values = _private_registry_values()
+            secrets = (values["operator"]["imagePullSecrets"], values["cluster"]["spec"]["kubernetes"]["imagePullSecrets"])
+            assert all(s == [{"name": argv[4]}] for s in secrets)
+            server = _option(argv, "--docker-server")
+            images = [values["operator"]["image"], *values["cluster"]["spec"]["images"].values()]
+            assert all(image.startswith(server + "/") for image in images), images
+        elif argv[:2] == ["splitserve", "render"]:
+            result = CliRunner().invoke(app, argv[1:])
+            assert result.exit_code == 0, result.output
+            objects = list(yaml.safe_load_all(result.output))
+            for obj in objects:
+                if obj["kind"] == "SplitServeRole":
+                    assert admit(role_crd(), obj)[1] == []
+                else:
+                    kubernetes_validate.validate(obj, "1.33", strict=True)
+            assert {"ConfigMap", "Deployment", "Service"} <= {o["kind"] for o in objects}
         elif argv[:2] == ["splitserve", "crd"]:
             result = CliRunner().invoke(app, argv[1:argv.index(">")] if ">" in argv else argv[1:])
             assert result.exit_code == 0 and result.output == crd_yaml()

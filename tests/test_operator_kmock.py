@@ -173,7 +173,9 @@ async def test_create_makes_every_child_with_replicas_resources_and_owner(api):
         assert replicas(api) == {"llm-gateway": 1, "llm-prefill": 1, "llm-decode": 3}
         decode = live(api, DEPLOYMENTS)["llm-decode"]
         container = decode["spec"]["template"]["spec"]["containers"][0]
-        assert container["resources"] == {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}}
+        # cpu and memory completed to a request and a limit each (a ResourceQuota admits the pod)
+        assert container["resources"] == {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi", "cpu": "1"},
+                                          "requests": {"cpu": "1", "memory": "16Gi"}}
         assert container["command"][:6] == ["splitserve", "worker", "--config", "/etc/splitserve/cluster.yaml",
                                             "--role", "decode"]
         assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 150  # drainSeconds 120 + 30

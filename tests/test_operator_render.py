@@ -118,7 +118,9 @@ def test_worker_pod_probes_resources_and_downward_api():
     objs = objects({"decode": {"resources": {"limits": {"nvidia.com/gpu": 1, "rdma/ib": 1}}},
                     "model": {"device": "cuda"}})
     worker = pod(objs, "decode")["containers"][0]
-    assert worker["resources"] == {"limits": {"nvidia.com/gpu": 1, "rdma/ib": 1}}
+    # GPUs and RDMA devices as given; cpu and memory completed (a request and a limit: ResourceQuotas admit it)
+    assert worker["resources"] == {"limits": {"nvidia.com/gpu": 1, "rdma/ib": 1, "cpu": "1", "memory": "4Gi"},
+                                   "requests": {"cpu": "1", "memory": "4Gi"}}
     assert worker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert worker["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert {p["name"]: p["containerPort"] for p in worker["ports"]} == {"grpc": 50051, "metrics": 9100}
@@ -136,15 +138,73 @@ def test_nixl_needs_host_ipc_and_shm_when_asked():
     assert "hostIPC" not in pod(objs, "gateway")
 
 
-def test_embedded_model_is_fetched_by_an_init_container_into_the_shared_cache():
+def test_embedded_model_is_fetched_by_an_init_container_into_the_workers_cache():
     objs = objects({})
-    for component in ("prefill", "decode", "gateway"):
+    for component in ("prefill", "decode"):
         spec = pod(objs, component)
         [init] = spec["initContainers"]
         assert init["command"] == ["splitserve", "fetch-model", "smollm2"]
-        assert init["image"] == "ghcr.io/splitserve/worker:0.1.0"  # torch converts the GGUF; the gateway has none
+        assert init["image"] == "ghcr.io/splitserve/worker:0.1.0"  # torch converts the GGUF
         assert {"name": "SPLITSERVE_CACHE", "value": names.CACHE_DIR} in spec["containers"][0]["env"]
-    assert "initContainers" not in pod(objects({"model": {"name": "/models/llama"}}), "gateway")
+        assert init["resources"] == {side: {k: v for k, v in values.items() if k in ("cpu", "memory")}
+                                     for side, values in spec["containers"][0]["resources"].items()}
+    assert "initContainers" not in pod(objects({"model": {"name": "/models/llama"}}), "decode")
+
+
+@pytest.mark.parametrize("spec", [{}, {"model": {"name": "/models/llama", "tokenizer": "smollm2"}},
+                                  {"mode": "colocated", "redis": {"mode": "bundled"}}])
+def test_the_gateway_pod_never_pulls_the_worker_image(spec):
+    """The gateway image carries the embedded model's tokenizer (the Dockerfile's tokenizer stage), in the cache
+    directory its pod names: no init container, no worker image, no shared cache volume."""
+    gateway = pod(objects(spec), "gateway")
+    images = {c["image"] for c in gateway.get("initContainers", []) + gateway["containers"]}
+    assert images == {"ghcr.io/splitserve/gateway:0.1.0"} and "initContainers" not in gateway
+    assert {"name": "SPLITSERVE_CACHE", "value": names.GATEWAY_CACHE_DIR} in gateway["containers"][0]["env"]
+    assert all(v["name"] != "cache" for v in gateway["volumes"])
+
+
+def test_every_container_has_cpu_and_memory_requests_and_limits():
+    objs = objects({"redis": {"mode": "bundled"}, "kvPool": {"enabled": True, "maxMemory": "2gb"},
+                    "prefill": {"resources": {"requests": {"cpu": "2", "memory": "8Gi"}}},
+                    "router": {"resources": {"limits": {"cpu": "2"}}}})
+    prefill = pod(objs, "prefill")["containers"][0]["resources"]
+    assert prefill == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}
+    gateway = pod(objs, "gateway")["containers"][0]["resources"]
+    assert gateway == {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "1Gi"}}
+    redis = objs[("StatefulSet", "llm-redis")]["spec"]["template"]["spec"]["containers"][0]
+    # maxmemory as `splitserve up` gives it, and a memory limit above it (2 GiB * 1.25 + 128 MiB)
+    assert redis["args"][redis["args"].index("--maxmemory") + 1] == "2gb"
+    assert redis["resources"]["limits"] == {"cpu": "1", "memory": "2688Mi"} == {
+        "cpu": "1", "memory": redis["resources"]["requests"]["memory"]}
+
+
+def test_pod_level_settings_from_the_spec():
+    objs = objects({
+        "decode": {"nodeSelector": {"gpu": "h200"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                   "affinity": {"nodeAffinity": {"x": 1}}},
+        "kubernetes": {"imagePullSecrets": [{"name": "regcred"}], "podAnnotations": {"a": "1"},
+                       "podLabels": {"team": "ml", names.CLUSTER_LABEL: "other"}, "priorityClassName": "high",
+                       "nodeSelector": {"pool": "serving"}, "tolerations": [{"key": "serving", "operator": "Exists"}],
+                       "affinity": {"podAntiAffinity": {"y": 2}},
+                       "podSecurityContext": {"fsGroup": 10001, "runAsUser": 20000},
+                       "securityContext": {"capabilities": {"add": ["NET_BIND_SERVICE"]}}},
+        "redis": {"mode": "bundled"}})
+    templates = {c: objs[(k, f"llm-{c}")]["spec"]["template"] for k, c in
+                 [("Deployment", "prefill"), ("Deployment", "decode"), ("Deployment", "gateway"),
+                  ("StatefulSet", "redis")]}
+    for component, template in templates.items():
+        meta, spec = template["metadata"], template["spec"]
+        assert meta["labels"]["team"] == "ml" and meta["labels"][names.CLUSTER_LABEL] == "llm"  # ours win
+        assert meta["annotations"]["a"] == "1"
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}] and spec["priorityClassName"] == "high"
+        assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": 20000, "runAsGroup": 10001,
+                                           "seccompProfile": {"type": "RuntimeDefault"}, "fsGroup": 10001}
+        assert spec["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}
+        expected = {"pool": "serving", "gpu": "h200"} if component == "decode" else {"pool": "serving"}
+        assert spec["nodeSelector"] == expected, component
+    decode, gateway = templates["decode"]["spec"], templates["gateway"]["spec"]
+    assert [t["key"] for t in decode["tolerations"]] == ["serving", "gpu"]
+    assert decode["affinity"] == {"nodeAffinity": {"x": 1}} and gateway["affinity"] == {"podAntiAffinity": {"y": 2}}
 
 
 def test_model_volume_is_mounted_read_only_in_workers_and_gateways():

@@ -5,12 +5,14 @@ values file is checked by `helm install` against the same model `splitserve up` 
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, Literal
 
 from pydantic import Field
 
-from splitserve.common.config import ClusterSpec, Port, Spec
+from splitserve.autoscaler.operator.pods import RESTRICTED_CONTAINER, RESTRICTED_POD
+from splitserve.common.config import ClusterSpec, LocalObjectReference, Port, Spec
 from splitserve.common.config_file import json_schema
 
 
@@ -29,11 +31,26 @@ class OperatorValues(Spec):
     """The operator's Prometheus metrics port (`--metrics-port`, a Service port named `metrics`): the autoscaler's
     desired replicas per role, which KEDA/HPA read in `autoscaling.mode: external`."""
     resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)
-    """The operator container's resource requests and limits."""
+    """The operator container's resource requests and limits (both, so a ResourceQuota admits it)."""
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    """Secrets the operator's pod pulls its image with, e.g. [{name: regcred}] (the cluster's pods:
+    cluster.spec.kubernetes.imagePullSecrets)."""
+    pod_security_context: dict[str, Any] = Field(default_factory=lambda: dict(RESTRICTED_POD))
+    """The operator pod's securityContext (the restricted Pod Security Standard)."""
+    security_context: dict[str, Any] = Field(default_factory=lambda: copy.deepcopy(RESTRICTED_CONTAINER))
+    """The operator container's securityContext (the restricted Pod Security Standard, read-only root)."""
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    """Annotations on the operator's pod."""
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    """Extra labels on the operator's pod."""
+    priority_class_name: str = ""
+    """The operator pod's PriorityClass (empty: none)."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels the operator's pod must run on."""
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     """Tolerations of the operator's pod."""
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    """Affinity of the operator's pod."""
 
 
 class ClusterValues(Spec):

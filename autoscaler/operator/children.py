@@ -12,8 +12,9 @@ from typing import Any
 import yaml
 
 from splitserve.autoscaler.operator import names
+from splitserve.autoscaler.operator.checks import check
 from splitserve.autoscaler.operator.pods import gateway_pod, redis_pod, worker_pod
-from splitserve.autoscaler.operator.replicas import ReplicaDecision
+from splitserve.autoscaler.operator.replicas import Observed, ReplicaDecision, decide, spec_or_scale
 from splitserve.common.config import ClusterResource, Metadata
 from splitserve.common.config_file import dump
 
@@ -148,3 +149,18 @@ class Renderer:
 def children(resource: ClusterResource, decision: ReplicaDecision, owner: dict[str, Any]) -> list[dict[str, Any]]:
     """Every object the cluster should own, in the order to apply them."""
     return Renderer(resource, decision, owner).all()
+
+
+def preview(resource: ClusterResource, uid: str | None = None) -> list[dict[str, Any]]:
+    """What the operator's first pass over `resource` creates (`splitserve render`): the same checks, replica
+    decision (the spec's replicas, before any autoscaler or HPA has written one) and builders. Objects are owned
+    by the cluster only when its `uid` is known (the API server assigns it). Raises Unrealisable."""
+    check(resource)
+    decision = decide(resource.spec, spec_or_scale(resource.spec, Observed()))
+    meta = resource.metadata
+    body = {"apiVersion": resource.api_version, "metadata": {"name": meta.name, "uid": uid}}
+    objects = children(resource, decision, owner_reference(body))
+    if uid is None:
+        for obj in objects:
+            del obj["metadata"]["ownerReferences"]
+    return objects

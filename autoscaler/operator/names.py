@@ -20,6 +20,12 @@ CONFIG_DIR = "/etc/splitserve"
 CONFIG_FILE = "cluster.yaml"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 CACHE_DIR = "/var/cache/splitserve"  # SPLITSERVE_CACHE: fetched models (an emptyDir per pod)
+# The gateway image's SPLITSERVE_CACHE: the embedded models' tokenizers, baked in at build time (Dockerfile)
+GATEWAY_CACHE_DIR = "/opt/splitserve/cache"
+TMP_DIR = "/tmp"  # an emptyDir in every splitserve pod (root filesystems are read-only); also its HOME
+IMAGE_USER = 10001  # the images' user (Dockerfile: useradd --uid 10001), the pods' runAsUser and runAsGroup
+REDIS_USER, REDIS_GROUP = 999, 1000  # the redis:*-alpine image's redis user
+REDIS_DATA_DIR = "/data"  # the Redis image's working directory
 REDIS_PORT = 6379
 DRAIN_MARGIN_SECONDS = 30  # terminationGracePeriodSeconds = drainSeconds + this (the gRPC and HTTP servers' stop)
 

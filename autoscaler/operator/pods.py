@@ -1,12 +1,20 @@
 """Pod templates: a worker of a role, the gateway, the bundled Redis. Commands are the CLI's own
 (`splitserve worker --config ... --role ...`, `splitserve router --config ...`), reading the rendered config from
-the ConfigMap; the embedded model is fetched by an init container into a per-pod cache both the worker and the
-torch-free gateway read.
+the ConfigMap. A worker's init container fetches the embedded model into a per-pod cache; the torch-free gateway
+reads the embedded model's tokenizer from its own image (baked in at build time), so it never pulls the worker
+image.
+
+Every pod meets the `restricted` Pod Security Standard (non-root, seccomp RuntimeDefault, no privilege
+escalation, all capabilities dropped) with a read-only root filesystem (emptyDirs for /tmp and the model cache),
+and every container, init containers included, has cpu and memory requests and limits, so a namespace's
+ResourceQuota admits it. `spec.kubernetes` adds the pod-level settings platform teams set (security contexts,
+labels, annotations, priority class, scheduling, image pull secrets).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from splitserve.autoscaler.operator import names
@@ -14,6 +22,50 @@ from splitserve.common.config import ClusterResource, RoleSpec
 from splitserve.common.model_files import EMBEDDED
 
 WORKER_PORT_NAMES = ("grpc", "metrics")
+
+RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": names.IMAGE_USER, "runAsGroup": names.IMAGE_USER,
+                  "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                        "capabilities": {"drop": ["ALL"]}}
+# cpu and memory for a container whose spec names neither a request nor a limit of them
+WORKER_RESOURCES = {"cpu": "1", "memory": "4Gi"}
+GATEWAY_RESOURCES = {"cpu": "500m", "memory": "1Gi"}
+REDIS_CPU = {"requests": "100m", "limits": "1"}
+REDIS_SMALL_MEMORY = "256Mi"  # the bundled Redis's memory request without the KV pool
+REDIS_OVERHEAD_MIB = 128  # Redis's memory past maxmemory (clients, fragmentation: 25% more is allowed too)
+_REDIS_UNITS = {"b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over`'s keys on top of `base`, nested mappings merged key by key (as Helm merges values)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def completed_resources(given: dict[str, dict[str, int | str]], default: dict[str, str]) -> dict[str, Any]:
+    """`given` with a request and a limit of cpu and memory: a side left out takes the other side's value, a
+    resource neither names takes `default`'s. Other resources (GPUs, RDMA devices) are kept as given."""
+    requests, limits = dict(given.get("requests", {})), dict(given.get("limits", {}))
+    for key in ("cpu", "memory"):
+        requests.setdefault(key, limits.get(key, default[key]))
+        limits.setdefault(key, requests[key])
+    return {**given, "requests": requests, "limits": limits}
+
+
+def _cpu_and_memory(resources: dict[str, Any]) -> dict[str, Any]:
+    """The cpu and memory part of completed resources (an init container's: it needs no GPU)."""
+    return {side: {k: v for k, v in resources[side].items() if k in ("cpu", "memory")}
+            for side in ("requests", "limits")}
+
+
+def redis_memory(max_memory: str) -> str:
+    """The bundled Redis's memory request and limit for a kvPool.maxMemory (Redis units: b, kb, mb, gb)."""
+    m = re.fullmatch(r"([0-9]+)(b|kb|mb|gb)?", max_memory)
+    assert m is not None, max_memory  # the model's pattern
+    mib = int(m.group(1)) * _REDIS_UNITS[m.group(2) or "b"] / (1 << 20)
+    return f"{math.ceil(mib * 1.25) + REDIS_OVERHEAD_MIB}Mi"
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:
@@ -24,37 +76,48 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
-def _common_env(resource: ClusterResource) -> list[dict[str, Any]]:
-    env = [{"name": "SPLITSERVE_CACHE", "value": names.CACHE_DIR}]
+def _common_env(resource: ClusterResource, cache: str = names.CACHE_DIR) -> list[dict[str, Any]]:
+    env = [{"name": "SPLITSERVE_CACHE", "value": cache}, {"name": "HOME", "value": names.TMP_DIR}]
     secret = resource.spec.redis.url_secret
     if resource.spec.redis.mode == "external" and secret is not None:
         env.append(_secret_env("SPLITSERVE_REDIS_URL", secret.name, secret.key))
     return env
 
 
-def _volumes(resource: ClusterResource) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts) every splitserve pod has: the rendered config, the model cache, the model volume."""
+def _volumes(resource: ClusterResource, cache: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) of a splitserve pod: the rendered config, /tmp, the model cache (workers: `cache`) and
+    the model volume."""
     k8s = resource.spec.kubernetes
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": names.config_map_name(resource.metadata.name)}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
     ]
     mounts = [{"name": "config", "mountPath": names.CONFIG_DIR, "readOnly": True},
-              {"name": "cache", "mountPath": names.CACHE_DIR}]
+              {"name": "tmp", "mountPath": names.TMP_DIR}]
+    if cache:
+        volumes.append({"name": "cache", "emptyDir": {}})
+        mounts.append({"name": "cache", "mountPath": names.CACHE_DIR})
     if k8s.model_volume:
         volumes.append({"name": "model", **k8s.model_volume})
         mounts.append({"name": "model", "mountPath": k8s.model_mount_path, "readOnly": True})
     return volumes, mounts
 
 
-def _fetch_models(resource: ClusterResource, mounts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Init containers that put the embedded model (and tokenizer) into the pod's cache."""
+def _security_context(resource: ClusterResource, **extra: Any) -> dict[str, Any]:
+    return merged({**RESTRICTED_CONTAINER, **extra}, resource.spec.kubernetes.security_context)
+
+
+def _fetch_models(resource: ClusterResource, mounts: list[dict[str, Any]],
+                  resources: dict[str, Any]) -> list[dict[str, Any]]:
+    """Init containers that put the embedded model (and tokenizer) into a worker pod's cache."""
     model = resource.spec.model
     wanted = [n for n in dict.fromkeys([model.name, model.tokenizer]) if n in EMBEDDED]
     images = resource.spec.images
     return [{"name": f"fetch-{n}", "image": images.worker, "imagePullPolicy": images.pull_policy,
              "command": ["splitserve", "fetch-model", n], "env": _common_env(resource),
-             "volumeMounts": [dict(m) for m in mounts if m["name"] == "cache"]} for n in wanted]
+             "resources": _cpu_and_memory(resources),  # the pod's request is already the worker's: no extra
+             "volumeMounts": [dict(m) for m in mounts if m["name"] in ("cache", "tmp")],
+             "securityContext": _security_context(resource)} for n in wanted]
 
 
 def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
@@ -71,16 +134,35 @@ def gateway_command() -> list[str]:
     return ["splitserve", "router", "--config", names.CONFIG_PATH, "--host", "0.0.0.0"]
 
 
+def _template(resource: ClusterResource, pod_labels: dict[str, str], annotations: dict[str, str],
+              pod: dict[str, Any], role: RoleSpec | None = None) -> dict[str, Any]:
+    """A pod template with the cluster's pod-level settings (and a worker role's scheduling) applied."""
+    k8s = resource.spec.kubernetes
+    pod = {
+        **pod,
+        "securityContext": merged(RESTRICTED_POD, k8s.pod_security_context),
+        "imagePullSecrets": [{"name": s.name} for s in k8s.image_pull_secrets],
+        "priorityClassName": k8s.priority_class_name,
+        "nodeSelector": {**k8s.node_selector, **(role.node_selector if role else {})},
+        "tolerations": [*k8s.tolerations, *(role.tolerations if role else [])],
+        "affinity": (role.affinity if role else None) or k8s.affinity,
+    }
+    metadata = {"labels": {**k8s.pod_labels, **pod_labels}, "annotations": {**k8s.pod_annotations, **annotations}}
+    return {"metadata": {k: v for k, v in metadata.items() if v},
+            "spec": {k: v for k, v in pod.items() if v not in ({}, [], None)}}
+
+
 def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleSpec,
                pod_labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
     """The pod template of one worker role (`role`: prefill, decode or both)."""
     k8s, images = resource.spec.kubernetes, resource.spec.images
-    volumes, mounts = _volumes(resource)
+    volumes, mounts = _volumes(resource, cache=True)
     if k8s.shm_size:
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_IP", "status.podIP"),
            _field_env("POD_NAMESPACE", "metadata.namespace"), *_common_env(resource)]
+    resources = completed_resources(spec.resources, WORKER_RESOURCES)
     container = {
         "name": "worker",
         "image": images.worker,
@@ -93,30 +175,27 @@ def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleS
         "startupProbe": _http_probe("/healthz", "metrics", 10, 30),
         "livenessProbe": _http_probe("/healthz", "metrics", 10, 3),
         "readinessProbe": _http_probe("/readyz", "metrics", 5, 2),
-        "resources": spec.resources,
+        "resources": resources,
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": _security_context(resource),
     }
     pod: dict[str, Any] = {
         # SIGTERM starts the drain (the worker leaves the registry, finishes what is in flight, exits).
         "terminationGracePeriodSeconds": math.ceil(spec.drain_seconds) + names.DRAIN_MARGIN_SECONDS,
-        "initContainers": _fetch_models(resource, mounts),
+        "initContainers": _fetch_models(resource, mounts, resources),
         "containers": [container],
         "volumes": volumes,
-        "nodeSelector": spec.node_selector,
-        "tolerations": spec.tolerations,
-        "affinity": spec.affinity,
-        "hostIPC": k8s.host_ipc,
+        "hostIPC": k8s.host_ipc,  # outside the restricted (and baseline) standard: only when asked for
         "enableServiceLinks": False,
     }
-    return {"metadata": {"labels": pod_labels, "annotations": annotations},
-            "spec": {k: v for k, v in pod.items() if v not in ({}, [], None)}}
+    return _template(resource, pod_labels, annotations, pod, spec)
 
 
 def gateway_pod(resource: ClusterResource, pod_labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
+    """The gateway: the slim image, whose own SPLITSERVE_CACHE holds the embedded models' tokenizers."""
     spec, images = resource.spec, resource.spec.images
-    volumes, mounts = _volumes(resource)
-    env = _common_env(resource)
+    volumes, mounts = _volumes(resource, cache=False)
+    env = _common_env(resource, cache=names.GATEWAY_CACHE_DIR)
     if spec.router.api_key_secret is not None:
         env.append(_secret_env("SPLITSERVE_API_KEYS", spec.router.api_key_secret.name, spec.router.api_key_secret.key))
     container = {
@@ -129,28 +208,34 @@ def gateway_pod(resource: ClusterResource, pod_labels: dict[str, str], annotatio
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
         # /health is 503 while no decode worker is healthy: such a gateway takes no traffic.
         "readinessProbe": _http_probe("/health", "http", 5, 2),
-        "resources": spec.router.resources,
+        "resources": completed_resources(spec.router.resources, GATEWAY_RESOURCES),
         "volumeMounts": mounts,
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": _security_context(resource),
     }
-    pod: dict[str, Any] = {"initContainers": _fetch_models(resource, mounts), "containers": [container],
-                           "volumes": volumes, "enableServiceLinks": False}
-    return {"metadata": {"labels": pod_labels, "annotations": annotations},
-            "spec": {k: v for k, v in pod.items() if v not in ({}, [], None)}}
+    pod: dict[str, Any] = {"containers": [container], "volumes": volumes, "enableServiceLinks": False}
+    return _template(resource, pod_labels, annotations, pod)
 
 
 def redis_pod(resource: ClusterResource, pod_labels: dict[str, str]) -> dict[str, Any]:
-    """The bundled Redis: soft state only (registry, KV index, KV pool), so no persistence."""
-    images = resource.spec.images
+    """The bundled Redis: soft state only (registry, KV index, KV pool), so no persistence; its memory is
+    kvPool.maxMemory (pool blocks carry a TTL, so volatile-lru evicts them and never the event stream, as
+    `splitserve up` runs it) plus headroom as its limit."""
+    images, memory = resource.spec.images, redis_memory(resource.spec.kv_pool.max_memory)
     container = {
         "name": "redis",
         "image": images.redis,
         "imagePullPolicy": images.pull_policy,
-        "args": ["--save", "", "--appendonly", "no"],
+        "args": ["--save", "", "--appendonly", "no", "--maxmemory", resource.spec.kv_pool.max_memory,
+                 "--maxmemory-policy", "volatile-lru", "--notify-keyspace-events", "Ee"],
         "ports": [{"name": "redis", "containerPort": names.REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 3},
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "runAsUser": 999},
+        # without the KV pool Redis holds the registry and the KV index only: its request is small
+        "resources": {"requests": {"cpu": REDIS_CPU["requests"],
+                                   "memory": memory if resource.spec.kv_pool.enabled else REDIS_SMALL_MEMORY},
+                      "limits": {"cpu": REDIS_CPU["limits"], "memory": memory}},
+        "volumeMounts": [{"name": "data", "mountPath": names.REDIS_DATA_DIR}],
+        "securityContext": _security_context(resource, runAsUser=names.REDIS_USER, runAsGroup=names.REDIS_GROUP),
     }
-    return {"metadata": {"labels": pod_labels}, "spec": {"containers": [container], "enableServiceLinks": False}}
+    pod = {"containers": [container], "volumes": [{"name": "data", "emptyDir": {}}], "enableServiceLinks": False}
+    return _template(resource, pod_labels, {}, pod)

