@@ -6,7 +6,8 @@ built). Each role assembles its own service (`splitserve.prefill_worker.build`, 
 this module knows no role's internals. The HTTP server runs on its own thread and event loop and reads the
 engine's last published counters, so a long step or a busy gRPC loop never delays a probe or a scrape.
 On SIGTERM the worker drains: it reports itself draining (the gateways send it nothing new), finishes its
-requests in flight for up to the role's `drainSeconds`, and exits.
+requests in flight for up to the role's `drainSeconds`, and exits. Hosting is apart from assembly: `serve` runs
+a worker until its stop event is set, `run_process` makes this process the host (signals set the event).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from splitserve.common.membership import Membership, StaticMembership
 from splitserve.common.protocol import PROTOCOL_VERSION
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
+from splitserve.common.protocol.service import add_worker_service
 from splitserve.common.redis_link import RedisLink
 from splitserve.common.redis_wire import Keys, RegistryEntry
 from splitserve.common.registry import RedisMembership, Registration
@@ -212,7 +214,7 @@ class ClusterPresence:
                     "kv_blocks_used": s["kv_blocks_used"], "waiting_prefill_tokens": s["waiting_prefill_tokens"]}
 
         entry = RegistryEntry(self.name, self.instance_id, self.role, self.spec.model.served_name, self.endpoint,
-                              self.metrics_url, engine.kv_spec.block_size, engine.kv_spec.num_blocks)
+                              self.metrics_url, engine.facts.block_size, engine.facts.num_kv_blocks)
         self.registration = Registration(self.link, self.keys, entry, self.spec.redis.lease_seconds, load=load)
         self.registration.on_lost = self._republish
         await self.registration.start()
@@ -268,23 +270,33 @@ class HTTPThread:
         self.thread.join(timeout=5)
 
 
-async def serve(resource: ClusterResource, role: str, host: str, name: str | None = None,
-                advertise_host: str | None = None) -> None:
+async def run_process(resource: ClusterResource, role: str, host: str, name: str | None = None,
+                      advertise_host: str | None = None) -> int:
+    """Host a worker as this process (`splitserve worker`): SIGTERM or SIGINT set its stop event (drain, then
+    return). The exit code: 0, or 2 when the model did not load."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return await serve(resource, role, host, stop, name, advertise_host)
+
+
+async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.Event, name: str | None = None,
+                advertise_host: str | None = None) -> int:
+    """Assemble a worker and serve until `stop` is set, then drain (up to the role's drainSeconds) and close.
+    Installs no signal handler and never exits the process, so any host (this process, a Ray Serve replica)
+    decides what stops it. Returns 0, or 2 when the model did not load."""
     spec = resource.spec
     role_spec = spec.role(role)
     servicer = WorkerServicer(spec, role)
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    add_worker_service(servicer, server)  # a request that does not decode: INVALID_ARGUMENT
     server.add_insecure_port(f"{host}:{role_spec.port}")
     await server.start()
     http = HTTPThread(http_app(servicer), host, role_spec.metrics_port)
     http.start()
     HEALTH_FLAPS.inc(0)
     log.info("worker %s listening: grpc %s:%d metrics %d", role, host, role_spec.port, role_spec.metrics_port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     adv = advertised(host, advertise_host)
     presence = ClusterPresence(spec, role, name or f"{socket.gethostname()}-{role_spec.port}",
                                f"{adv}:{role_spec.port}", f"http://{adv}:{role_spec.metrics_port}")
@@ -319,7 +331,5 @@ async def serve(resource: ClusterResource, role: str, host: str, name: str | Non
         await presence.close()
         if servicer.engine is not None:
             servicer.engine.shutdown()
-        if not loader.done():  # stopped while loading: the load thread finishes on its own; exit now
-            code = code or 0
-    if code:
-        raise SystemExit(code)
+        # stopped while loading: the load thread finishes on its own; the host decides whether to wait for it
+    return code
