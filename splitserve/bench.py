@@ -1,9 +1,11 @@
 """`splitserve bench`: an asyncio load generator for any OpenAI-compatible server.
 
-Open-loop arrivals (Poisson at --rate, or the arrival times of a trace from ../shared/traces), token-id
-prompts of exact lengths (Mooncake hash ids become shared 512-token prefix blocks), streaming completions.
-Reports TTFT, inter-token latency and end-to-end percentiles, output tokens/s and goodput (requests/s that
-met both --slo-ttft and --slo-itl); --json adds a machine-readable last line, --plot writes latency CDFs.
+Open-loop arrivals (Poisson at --rate, or the arrival times of a trace: samples in benchmarks/traces/),
+token-id prompts of exact lengths (Mooncake hash ids become shared 512-token prefix blocks), streaming
+completions. Reports TTFT, inter-token latency and end-to-end percentiles, output tokens/s and goodput
+(requests/s that met both --slo-ttft and --slo-itl); --json adds a machine-readable last line, --plot writes
+latency CDFs (of the completed requests; the failed ones are counted in the title). More failed requests than
+--max-failure-rate is a failed run (exit 1).
 """
 
 from __future__ import annotations
@@ -178,6 +180,23 @@ def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_itl: f
     return out
 
 
+def failure_problem(summary: dict, max_failure_rate: float) -> str | None:
+    """One line when more requests failed than `max_failure_rate` (a fraction) allows; None otherwise."""
+    failed, n = summary["failed"], summary["requests"]
+    if n and failed / n > max_failure_rate:
+        first = summary["errors"][0] if summary["errors"] else "unknown"
+        return (f"{failed} of {n} requests failed ({failed / n:.1%} > --max-failure-rate {max_failure_rate:g}); "
+                f"first error: {first}")
+    return None
+
+
+def plot_title(results: list[Result]) -> str:
+    """What the CDFs show, and what they leave out."""
+    failed = sum(1 for r in results if not r.ok)
+    title = f"{len(results) - failed} completed requests"
+    return title + (f"; {failed} failed requests not shown" if failed else "")
+
+
 def check_plot(path: str) -> None:
     """Before a run: plotting can happen at its end (matplotlib importable, the file writable)."""
     import importlib.util
@@ -204,6 +223,7 @@ def plot(results: list[Result], path: str) -> None:
         ax.set_xlabel(name)
         ax.set_ylabel("CDF")
         ax.grid(alpha=0.3)
+    fig.suptitle(plot_title(results), color="black" if len(ok) == len(results) else "firebrick")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

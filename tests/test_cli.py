@@ -113,3 +113,28 @@ def test_readme_up_commands_are_valid():
         res = run([*cmd, "--dry-run"], cwd=ROOT)
         assert res.returncode == 0, (cmd, res.stderr)
         assert "kind: SplitServeCluster" in res.stdout
+
+
+def test_version():
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    for flag in ("--version", "-V"):
+        res = run([flag])
+        assert res.returncode == 0 and res.stdout == f"splitserve {version}\n", res
+
+
+def test_a_busy_gateway_port_is_one_line_before_anything_starts():
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        res = run(["up", "--port", str(port)])
+        assert res.returncode == 2, res.stderr
+        assert res.stderr == f"splitserve: error: --port (router.port): 127.0.0.1:{port} is already in use; " \
+                             f"stop what listens there or pick another --port\n"
+        assert time.monotonic() - t0 < 60  # no worker was started (a model load alone takes longer here)

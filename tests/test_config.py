@@ -73,6 +73,22 @@ def test_a_bad_flag_names_the_flag():
         assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
 
 
+def test_prefill_workers_in_colocated_mode_are_an_error_not_ignored(tmp_path):
+    """`up --mode colocated --prefill 1` would start no prefill worker: one line naming the flag, exit 2. A file
+    may leave prefill.replicas at its default (what an API server fills in), not ask for more."""
+    for args in (["--mode", "colocated", "--prefill", "1"], ["--mode", "colocated", "--prefill", "2"]):
+        res = run("up", *args, "--dry-run")
+        assert res.returncode == 2 and res.stderr.startswith("splitserve: error: --prefill: colocated mode"), \
+            res.stderr
+        assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    path = broken_copy(tmp_path, lambda d: d["spec"].update(mode="colocated", prefill={"replicas": 2}))
+    res = run("up", "-f", str(path), "--dry-run")
+    assert res.returncode == 2 and f"{path}: spec.prefill.replicas: colocated mode" in res.stderr, res.stderr
+    for args in (["--mode", "colocated"], ["--mode", "colocated", "--prefill", "0"], ["--prefill", "2"],
+                 ["-f", str(broken_copy(tmp_path, lambda d: d["spec"].update(mode="colocated")))]):
+        assert run("up", *args, "--dry-run").returncode == 0, args
+
+
 def test_an_unreadable_or_non_yaml_file_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("spec: [unclosed\n")
@@ -96,11 +112,35 @@ def test_flags_are_generated_from_the_model():
 
 
 def test_up_serves_the_example_file():
+    """...and disaggregates: a short chat and a burst of conversation-sized prompts (12 x 1000 tokens, as the
+    README's trace replay sends; more than 512 MiB of SmolLM2 KV holds) all go to the prefill worker: none is
+    prefilled on the decode worker for want of KV blocks or for being short. (A transfer that times out on a
+    loaded box falls back to a local prefill; that is not what this checks.)"""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from serving import metric_sum
+
     up = Up("-f", str(EXAMPLE))
     try:
         c = openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         r = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
         assert r.usage.completion_tokens > 0
         assert len(up.components["prefill"]) == 1 and len(up.components["decode"]) == 1
+        rng = random.Random(0)
+        prompts = [[rng.randrange(1000, 30000) for _ in range(1000)] for _ in range(12)]
+
+        def one(prompt: list[int]) -> int:
+            return httpx.post(up.url + "/v1/completions", json={"model": "smollm2", "prompt": prompt,
+                                                                "max_tokens": 4}, timeout=300).status_code
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(one, prompts)) == [200] * len(prompts)
+        m = up.metrics("decode")
+        local = {k: v for k, v in m.items() if k.startswith("splitserve_local_prefill_total") and v
+                 and 'reason="fallback"' not in k}
+        remote = metric_sum(m, "splitserve_remote_prefill_total")  # ok or failed (then a fallback)
+        assert local == {} and remote == 1 + len(prompts), m
     finally:
         assert up.stop() == 0

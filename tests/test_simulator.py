@@ -5,6 +5,7 @@ contract holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -224,8 +225,10 @@ def test_gpu_fit_reproduces_the_committed_measurements_and_reports_its_errors():
         assert max(abs(e["error"]) for e in errors) < 0.2
         assert sum(abs(e["error"]) for e in errors) / len(errors) < 0.06
     committed = PROFILE_DIR / "h200_8b.json"
-    if committed.exists():  # the file the benchmark reads is this very fit
-        assert ReplicaProfile.load(committed).cost == prof.cost
+    if committed.exists():  # the file the benchmark reads is this very fit, to the last few bits (the least
+        # squares' last bit moves with numpy's build; any real change of a coefficient is far above 1e-9)
+        got, want = dataclasses.asdict(prof.cost), dataclasses.asdict(ReplicaProfile.load(committed).cost)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
 def test_cpu_calibration_reports_fit_and_validation_errors():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 API_VERSION = "splitserve.dev/v1alpha1"
@@ -315,6 +315,13 @@ class ImagesSpec(Spec):
     """Kubernetes: the bundled Redis's image (redis.mode: bundled)."""
 
 
+class LocalObjectReference(Spec):
+    """A Kubernetes object in the same namespace, by name."""
+
+    name: str = Field(min_length=1)
+    """The object's name."""
+
+
 class KubernetesSpec(Spec):
     """Kubernetes: how the operator shapes pods and Services (`splitserve up` ignores this section)."""
 
@@ -328,6 +335,24 @@ class KubernetesSpec(Spec):
     """Kubernetes: where modelVolume is mounted (model.name then names a directory under it)."""
     gateway_service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     """Kubernetes: the type of the gateway's Service (how clients outside the cluster reach it)."""
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    """Kubernetes: Secrets (type kubernetes.io/dockerconfigjson) the pods pull their images with, e.g. [{name: regcred}]."""
+    pod_security_context: dict[str, Any] = Field(default_factory=dict)
+    """Kubernetes: keys merged over every pod's securityContext (default: runAsNonRoot, runAsUser and runAsGroup 10001, seccompProfile RuntimeDefault: the restricted Pod Security Standard)."""
+    security_context: dict[str, Any] = Field(default_factory=dict)
+    """Kubernetes: keys merged over every container's securityContext (default: allowPrivilegeEscalation false, capabilities drop ALL, readOnlyRootFilesystem true)."""
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    """Kubernetes: annotations on every pod the operator creates."""
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    """Kubernetes: extra labels on every pod the operator creates (its own labels win on a clash)."""
+    priority_class_name: str | None = None
+    """Kubernetes: the PriorityClass of every pod the operator creates."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Kubernetes: node labels every pod must run on (a role's nodeSelector adds to it)."""
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    """Kubernetes: tolerations of every pod (a role's tolerations are added to them)."""
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    """Kubernetes: affinity of every pod (a role's affinity replaces it for that role's pods)."""
 
 
 class ClusterSpec(Spec):
@@ -363,11 +388,20 @@ class ClusterSpec(Spec):
     """Kubernetes: pod and Service settings the operator applies (ignored by local runs)."""
 
     @model_validator(mode="after")
-    def _cluster(self) -> ClusterSpec:
+    def _cluster(self, info: ValidationInfo) -> ClusterSpec:
         if self.decode.replicas < 1:
             raise ValueError("decode.replicas: at least one decode (or colocated) worker is needed")
         if self.mode == "disaggregated" and self.prefill.replicas < 1:
             raise ValueError("prefill.replicas: disaggregated mode needs at least one prefill worker")
+        # Colocated clusters run no prefill workers. A file may leave prefill.replicas at its default (an API
+        # server fills the default in), but a value asked for (any other value, or a flag: the context's
+        # `explicit` field paths) is an error rather than silently ignored.
+        explicit = "prefill.replicas" in ((info.context or {}).get("explicit") or ())
+        default = PrefillSpec.model_fields["replicas"].default
+        if self.mode == "colocated" and self.prefill.replicas and (explicit or self.prefill.replicas != default):
+            raise ValueError(f"prefill.replicas: colocated mode runs no prefill workers (got "
+                             f"{self.prefill.replicas}); decode.replicas sets the colocated workers, or use "
+                             f"mode disaggregated")
         for name, role in (("prefill", self.prefill), ("decode", self.decode)):
             if not role.min_replicas <= role.replicas <= role.max_replicas:
                 raise ValueError(f"{name}.replicas: {role.replicas} is outside minReplicas..maxReplicas "

@@ -45,12 +45,15 @@ def _one_line(error: ValidationError, source: str, flags: dict[str, str] | None 
     return f"{_where(loc, source, flags)}: {msg}"
 
 
-def parse_resource(doc: Any, source: str = "", flags: dict[str, str] | None = None) -> ClusterResource:
-    """Validate a document (a dict as YAML gives it); `flags` maps field paths to the flag that set them."""
+def parse_resource(doc: Any, source: str = "", flags: dict[str, str] | None = None,
+                   explicit: set[str] | None = None) -> ClusterResource:
+    """Validate a document (a dict as YAML gives it); `flags` maps field paths to the flag that set them;
+    `explicit`: spec field paths (snake_case) a user asked for on purpose (flags), which some checks treat as a
+    choice even where the value equals the default."""
     if not isinstance(doc, dict):
         raise ConfigError(f"{source or 'config'}: expected a mapping with apiVersion, kind, metadata and spec")
     try:
-        return ClusterResource.model_validate(doc)
+        return ClusterResource.model_validate(doc, context={"explicit": explicit or set()})
     except ValidationError as e:
         raise ConfigError(_one_line(e, source, flags)) from None
 
@@ -85,7 +88,7 @@ def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None
         for dotted, value in overrides.items():
             set_path(spec, dotted, value)
         flag_paths = {f"spec.{camel_path(k)}": v for k, v in (flags or {}).items()}
-        return parse_resource(doc, source, flag_paths)
+        return parse_resource(doc, source, flag_paths, set(overrides))
     return parse_resource(doc, source)
 
 

@@ -1,5 +1,6 @@
 """Process helpers shared by the launcher, the tensor-parallel ranks, the benchmarks and the tests: free ports,
-children that die with their parent, and children spoken to in JSON lines that are watched while we wait."""
+children that die with their parent (Linux PR_SET_PDEATHSIG), and children spoken to in JSON lines that are
+watched while we wait."""
 
 from __future__ import annotations
 
@@ -37,6 +38,27 @@ def die_with(parent_pid: int) -> None:
     die_with_parent()
     if os.getppid() != parent_pid:
         raise SystemExit(f"parent {parent_pid} is gone")
+
+
+def dying_with_me(cmd: list[str]) -> list[str]:
+    """`cmd` behind a small exec shim (`python -m splitserve.common.proc`) that sets the child's parent-death
+    signal itself (SIGTERM when this process, more exactly the calling thread, dies; even by SIGKILL), then
+    execs `cmd`; the signal survives the exec. Unlike a preexec_fn, nothing runs between fork and exec here, so
+    it is safe from a process with threads (the autoscaler's, gRPC's fork handlers) and works for any
+    program (redis-server)."""
+    return [sys.executable, "-m", "splitserve.common.proc", "--die-with", str(os.getpid()), "--", *cmd]
+
+
+def die_with_parent_unless_detached() -> bool:
+    """For a command that owns a tree of processes (`splitserve up`): SIGTERM when whatever started it dies
+    (a killed test run, script or terminal leaves nothing behind), except when it was started detached on
+    purpose: under nohup (SIGHUP ignored) or as its own session leader (setsid). True when set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN or os.getsid(0) == os.getpid():
+        return False
+    die_with(os.getppid())  # exits at once if the parent died before the signal was set
+    return True
 
 
 class ChildDied(RuntimeError):
@@ -104,3 +126,15 @@ class JsonLinesChild:
         tail = "\n".join(self._stderr_tail) or "(nothing on stderr)"
         return ChildDied(f"{self.what} process (pid {self.proc.pid}) exited with code {code}; "
                          f"last stderr lines:\n{tail}")
+
+
+def _exec_main(argv: list[str]) -> None:
+    """`python -m splitserve.common.proc --die-with PID -- CMD...`: the child half of `dying_with_me`."""
+    if len(argv) < 4 or argv[0] != "--die-with" or argv[2] != "--":
+        raise SystemExit("usage: python -m splitserve.common.proc --die-with PID -- CMD [ARGS...]")
+    die_with(int(argv[1]))
+    os.execvp(argv[3], argv[3:])
+
+
+if __name__ == "__main__":
+    _exec_main(sys.argv[1:])
