@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--offline-prompts", type=int, default=256)
     ap.add_argument("--skip", default="",
-                    help="comma list of parts to skip: decode,prefill,offline,moe,fusions,parallel")
+                    help="comma list of parts to skip: decode,prefill,offline,hf,moe,fusions,parallel")
     ap.add_argument("--update", default="", help="results file whose other parts are kept")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -303,24 +303,25 @@ def main() -> None:
         eng.close()
         del eng, out
         hf_tok_s = None
-        try:
-            from transformers import AutoModelForCausalLM, LlamaConfig
+        if "hf" not in skip:  # Hugging Face generate on the same GPU, for scale
+            try:
+                from transformers import AutoModelForCausalLM, LlamaConfig
 
-            cfg = LlamaConfig(**{k: v for k, v in LLAMA8B.items() if k not in ("architectures", "model_type")})
-            with torch.device("cuda"):
-                hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-            ids = torch.tensor(prompts, device="cuda")
-            with torch.no_grad():
-                hf.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                o = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=256, min_new_tokens=256,
-                                do_sample=False, pad_token_id=0)
-                torch.cuda.synchronize()
-            hf_tok_s = (o.shape[1] - 512) * n / (time.perf_counter() - t0)
-            del hf
-        except Exception as e:  # keep the rest of the results
-            res["notes"].append(f"hf generate failed: {e}")
+                cfg = LlamaConfig(**{k: v for k, v in LLAMA8B.items() if k not in ("architectures", "model_type")})
+                with torch.device("cuda"):
+                    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+                ids = torch.tensor(prompts, device="cuda")
+                with torch.no_grad():
+                    hf.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    o = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=256, min_new_tokens=256,
+                                    do_sample=False, pad_token_id=0)
+                    torch.cuda.synchronize()
+                hf_tok_s = (o.shape[1] - 512) * n / (time.perf_counter() - t0)
+                del hf
+            except Exception as e:  # keep the rest of the results
+                res["notes"].append(f"hf generate failed: {e}")
         res["offline"] = {"prompts": n, "input_len": 512, "output_len": 256, "ours_tok_s": ours, "hf_tok_s": hf_tok_s,
                           "ratio": ours / hf_tok_s if hf_tok_s else None}
         print(f"offline {n} x 512/256: ours {ours:.0f} tok/s, hf {hf_tok_s} tok/s", flush=True)
