@@ -121,7 +121,7 @@ def test_overload_with_a_cpu_hog_no_503_no_flaps_no_leaks(tmp_path):
                        for line in r.read().decode().splitlines() if line and not line.startswith("#")}
         assert metric_sum(gateway, "splitserve_health_flaps_total") == 0
         for role in ("prefill", "decode"):
-            assert metric_sum(up.metrics(role), "splitserve_health_flaps_total") == 0
+            assert metric_sum(up.metrics(role), "splitserve_worker_health_flaps_total") == 0
     finally:
         hog.kill()
         hog.wait()
@@ -288,7 +288,7 @@ def test_small_things(cluster, tmp_path):
     for foreign in ("splitserve_worker_running_requests", "splitserve_worker_kv_blocks", "splitserve_worker_requests",
                     "splitserve_kv_transfer", "splitserve_local_prefill"):
         assert foreign not in text
-    assert "splitserve_health_flaps_total" in text and "splitserve_health_flaps_total" in c.get(
+    assert "splitserve_health_flaps_total" in text and "splitserve_worker_health_flaps_total" in c.get(
         up.components["decode"][0]["metrics"] + "/metrics").text
 
 

@@ -10,7 +10,8 @@ WORKER_RUNNING = Gauge("splitserve_worker_running_requests", "Requests running i
 WORKER_WAITING = Gauge("splitserve_worker_waiting_requests", "Requests waiting in the engine")
 WORKER_KV_USAGE = Gauge("splitserve_worker_kv_blocks_used", "KV blocks in use")
 WORKER_KV_TOTAL = Gauge("splitserve_worker_kv_blocks_total", "KV blocks in the cache")
-HEALTH_FLAPS = Counter("splitserve_health_flaps", "Times this worker, once serving, reported itself unable to serve")
+HEALTH_FLAPS = Counter("splitserve_worker_health_flaps",
+                       "Times this worker, once serving, reported itself unable to serve")
 PROMPT_TOKENS = Counter("splitserve_worker_prompt_tokens", "Prompt tokens of requests this worker served")
 PREFIX_HIT_TOKENS = Counter("splitserve_worker_prefix_hit_tokens",
                             "Prompt tokens this worker found in its own prefix cache (not computed, not received)")
