@@ -1,8 +1,9 @@
 # syntax=docker/dockerfile:1
-# splitserve's two images. Each installs with the same Makefile target CI's tests exercise, so an image gets
-# exactly what `make` installs (.github/workflows/images.yml builds and pushes both on release tags):
-#   docker build --target gateway -t ghcr.io/splitserve/gateway:0.1.0 .   # gateway + operator, no torch
-#   docker build --target worker  -t ghcr.io/splitserve/worker:0.1.0 .    # CUDA torch, NIXL, the embedded model
+# splitserve's three images. Each installs with the same Makefile target CI's tests exercise, so an image gets
+# exactly what `make` installs (.github/workflows/images.yml builds and pushes all three on release tags):
+#   docker build --target gateway    -t ghcr.io/splitserve/gateway:0.1.0 .     # gateway + operator, no torch
+#   docker build --target worker     -t ghcr.io/splitserve/worker:0.1.0 .      # CUDA torch, NIXL, the embedded model
+#   docker build --target worker-ray -t ghcr.io/splitserve/worker-ray:0.1.0 .  # the worker + Ray, for KubeRay
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
@@ -76,3 +77,23 @@ USER 10001
 EXPOSE 50051 50061 9100
 ENTRYPOINT ["splitserve"]
 CMD ["worker", "--config", "/etc/splitserve/cluster.yaml", "--host", "0.0.0.0"]
+
+# -- worker-ray: the worker plus the `ray` extra, as KubeRay runs a Ray image -------------------------------
+# deploy/ray/rayservice.yaml's head and worker pods. KubeRay replaces the entrypoint with
+# `/bin/bash -lc -- "ulimit -n 65536; ray start ..."` and probes each pod by running wget against the Ray
+# dashboard agent, so the image needs bash, wget and `ray` on the PATH of a login shell (profile.d, in case the
+# base's /etc/profile resets PATH), and a non-root user whose HOME and /tmp (Ray's session directory) are writable.
+FROM worker AS worker-ray
+USER 0
+WORKDIR /src
+COPY --from=source /src /src
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends wget \
+    && rm -rf /var/lib/apt/lists/* \
+    && make install-ray VENV=/opt/splitserve PYTHON=python3 \
+    && rm -rf /src \
+    && echo "export PATH=/opt/splitserve/bin:\$PATH" > /etc/profile.d/splitserve.sh
+WORKDIR /home/splitserve
+USER 10001
+# Ray's GCS, dashboard, client server and Serve's HTTP proxy (the worker's own ports are inherited).
+EXPOSE 6379 8265 10001 8000

