@@ -32,6 +32,7 @@ from splitserve.common.kv_events import BlockStored, KVCacheEvent
 from splitserve.common.redis_link import RedisLink
 from splitserve.common.redis_wire import ChecksumError, Keys, KVEventRecord, PoolNamespace, WireError
 from splitserve.common.sampling import SamplingParams
+from splitserve.common.tasks import TaskOwner
 from splitserve.common.worker_context import WorkerContext
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.interface import KVEventListener, ModelFacts
@@ -75,7 +76,7 @@ class KVPool:
         self._pending_set: set[int] = set()
         self._lock = threading.Lock()
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._tasks = TaskOwner("kv-pool")  # the writer: a failure is logged, never left unobserved
         self.read_gbps = 1.0  # measured read bandwidth (EWMA), GB/s: the load-vs-compute estimate
         for reason in ERROR_REASONS:
             ERRORS.labels(reason)
@@ -102,12 +103,10 @@ class KVPool:
         return out
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._write_loop(), name="kv-pool-writer")
+        self._tasks.spawn(self._write_loop(), "writer")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._tasks.close()
 
     async def _write_loop(self) -> None:
         last_info = 0.0
