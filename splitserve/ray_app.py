@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -23,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ from ray import serve
 from splitserve.common.config import ClusterResource, ClusterSpec
 from splitserve.common.config_file import dump, parse_resource
 from splitserve.common.proc import free_port
-from splitserve.launcher import READY_TIMEOUT_S, redis_command, wait_for_redis
+from splitserve.launcher import READY_TIMEOUT_S, gateway_all_healthy, redis_command, wait_for_redis
 from splitserve.ray_policy import DEPLOYMENTS, Directory, policy_config
 
 log = logging.getLogger("splitserve.ray")
@@ -329,13 +327,8 @@ def _wait_ready(name: str, base: str, stopping: list[bool]) -> bool:
         if app is not None and app.status == "DEPLOY_FAILED":
             log.error("deploy failed: %s", app.message)
             return False
-        if app is not None and app.status == "RUNNING":
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:  # noqa: S310 (our own gateway)
-                    if json.loads(r.read()).get("all_healthy"):
-                        return True
-            except (OSError, ValueError):
-                pass
+        if app is not None and app.status == "RUNNING" and gateway_all_healthy(base + "/health"):
+            return True
         time.sleep(0.5)
     if not stopping[0]:
         log.error("not ready after %.0f s", READY_TIMEOUT_S)

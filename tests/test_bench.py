@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from metrics_server import serve_locally, stop
 
 from splitserve import bench as b
 
@@ -53,13 +54,10 @@ class FlakyServer:
             def log_message(self, *_: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_locally(Handler)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        stop(self.server)
 
 
 @pytest.fixture
