@@ -28,23 +28,37 @@ log = logging.getLogger("splitserve.decode_worker")
 
 
 async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeService:
+    if spec.engine_of("decode") == "vllm":  # vLLM's own pull (NixlConnector) moves the KV
+        from splitserve.vllm_engine.handover import VllmDecodeHandover
+
+        _label_series(with_handover=True)
+        return DecodeService(engine, VllmDecodeHandover(engine), ctx.membership, spec.decode.disagg_threshold,
+                             spec.kv_transfer.timeout_seconds)
     # one agent per tensor-parallel rank, each over its own KV shard, composed on this rank (rank 0)
     agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "decode")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
     kv_metrics.BYTES.labels("recv", agent.backend.name)
-    for reason in LOCAL_PREFILL_REASONS:  # every series from the start, so dashboards see them
-        LOCAL_PREFILL.labels(reason)
-    for stage in HANDOVER_STAGES:  # only a decode worker hands over (a colocated one lists none)
-        HANDOVER_STAGE.labels(stage)
+    _label_series(with_handover=True)
     pool = make_pool(spec, engine, ctx, "decode")
     return DecodeService(_serving(engine, pool), NativeDecodeHandover(engine, agent), ctx.membership,
                          spec.decode.disagg_threshold, spec.kv_transfer.timeout_seconds, _owned(pool))
 
 
 async def build_colocated(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeService:
+    if spec.engine_of("both") == "vllm":
+        return DecodeService(engine, None, ctx.membership, spec.decode.disagg_threshold,
+                             spec.kv_transfer.timeout_seconds)
     pool = make_pool(spec, engine, ctx, "decode")
     return DecodeService(_serving(engine, pool), None, ctx.membership, spec.decode.disagg_threshold,
                          spec.kv_transfer.timeout_seconds, _owned(pool))
+
+
+def _label_series(with_handover: bool) -> None:
+    for reason in LOCAL_PREFILL_REASONS:  # every series from the start, so dashboards see them
+        LOCAL_PREFILL.labels(reason)
+    if with_handover:  # only a decode worker hands over (a colocated one lists none)
+        for stage in HANDOVER_STAGES:
+            HANDOVER_STAGE.labels(stage)
 
 
 def _serving(engine: AsyncEngine, pool: KVPool | None) -> ServingEngine:

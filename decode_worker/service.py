@@ -167,6 +167,13 @@ class DecodeService:
         self._warned.discard(peer)
         REMOTE_PREFILL.labels("ok").inc()
         lp = reply.first_logprob
+        if handover.streams_first_token:  # a pull: the decode engine reads the KV and samples the first token
+            try:
+                return handover.admit(rid, reply.first_token_id, lp, reply.receipt), True
+            except HandoverFailed as e:  # a receipt that does not validate
+                LOCAL_PREFILL.labels("fallback").inc()
+                log.warning("remote prefill on %s returned an unusable receipt (%s); prefilling locally", peer, e)
+                return self._local_after_fallback(rid, prompt, params, priority), False
         first = RequestOutput(rid, [reply.first_token_id], [lp] if lp is not None else [],
                               num_prompt_tokens=len(prompt), num_cached_tokens=reservation.num_cached_tokens,
                               num_output_tokens=1)

@@ -86,7 +86,14 @@ class DecodeHandover(Protocol):
 
     It owns the reserved blocks from `reserve` on: after `cancel` it frees them once the prefill call has ended
     and no write of the transfer can land any more (never earlier), so the caller never waits for that.
+
+    Two shapes fit it: a push (native: the prefill side writes into reserved blocks; `landed` says when) and a
+    pull (vLLM: nothing is reserved, the prefill side's `receipt` tells the decode engine where to read the KV
+    from when `admit` starts it). `streams_first_token` says which: when true, `admit`'s stream produces the
+    first token itself, so the prefill's token is not sent ahead of it.
     """
+
+    streams_first_token: bool
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       priority: int = 0, *, min_remote_tokens: int = 1, timeout_s: float = 30.0) -> Reservation:
@@ -98,9 +105,10 @@ class DecodeHandover(Protocol):
         """Until the reserved request's KV landed; raises `HandoverFailed` (then `cancel` it)."""
         ...
 
-    def admit(self, request_id: str, first_token_id: int,
-              first_logprob: Logprob | None = None) -> AsyncIterator[RequestOutput]:
-        """The KV landed: the request joins the batch after `first_token_id`; streams its outputs from there."""
+    def admit(self, request_id: str, first_token_id: int, first_logprob: Logprob | None = None,
+              receipt: bytes = b"") -> AsyncIterator[RequestOutput]:
+        """The KV landed: the request joins the batch after `first_token_id`; streams its outputs from there
+        (its first output repeats that token). `receipt`: the prefill side's, as it returned it."""
         ...
 
     def cancel(self, request_id: str, prefill: Awaitable[object] | None = None) -> None:
@@ -122,6 +130,7 @@ class PrefillResult:
     scheduled: float
     computed: float
     sent: float
+    receipt: bytes = b""  # for the decode side's `admit` (opaque; empty when the KV is already in its blocks)
 
 
 class PrefillHandover(Protocol):

@@ -36,6 +36,8 @@ log = logging.getLogger("splitserve.kv_transfer.handover")
 
 
 class NativeDecodeHandover:
+    streams_first_token = False  # the prefill's first token goes out as soon as the KV landed
+
     def __init__(self, engine: AsyncEngine, agent: KVTransferAgent | ShardedReceiver) -> None:
         self.engine = engine
         self.agent = agent
@@ -58,8 +60,8 @@ class NativeDecodeHandover:
         await self.agent.wait(request_id)  # TransferError: the caller cancels
         self.agent.forget(request_id)
 
-    def admit(self, request_id: str, first_token_id: int,
-              first_logprob: Logprob | None = None) -> AsyncIterator[RequestOutput]:
+    def admit(self, request_id: str, first_token_id: int, first_logprob: Logprob | None = None,
+              receipt: bytes = b"") -> AsyncIterator[RequestOutput]:
         return self.engine.stream_remote(request_id, first_token_id, first_logprob)
 
     def cancel(self, request_id: str, prefill: Awaitable[object] | None = None) -> None:

@@ -22,6 +22,8 @@ log = logging.getLogger("splitserve.prefill_worker")
 
 
 async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> PrefillService:
+    if spec.engine_of("prefill") == "vllm":
+        return _build_vllm(engine)
     # one agent per tensor-parallel rank, each over its own KV shard, composed on this rank (rank 0)
     agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "prefill")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
@@ -32,3 +34,12 @@ async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> P
     engine.add_layer_hook(hook)
     handover = NativePrefillHandover(engine, agent, hook, make_pool(spec, engine, ctx, "prefill"))
     return PrefillService(engine, handover)
+
+
+def _build_vllm(engine) -> PrefillService:
+    """engine vllm: the prompt's KV stays on this worker's vLLM server until the decode side pulls it."""
+    from splitserve.vllm_engine.handover import VllmPrefillHandover
+
+    for stage in PREFILL_STAGES:
+        PREFILL_STAGE.labels(stage)
+    return PrefillService(engine, VllmPrefillHandover(engine))

@@ -57,7 +57,7 @@ class PrefillService:
         return pb.PrefillResponse(
             request_id=req.request_id, first_token_id=result.first_token_id, has_logprob=lp is not None,
             first_logprob=logprob_to_pb(lp) if lp is not None else None,
-            cached_tokens=result.num_cached_tokens, kv_bytes=result.kv_bytes,
+            cached_tokens=result.num_cached_tokens, kv_bytes=result.kv_bytes, receipt=result.receipt,
         )
 
     async def close(self) -> None:

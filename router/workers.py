@@ -29,6 +29,7 @@ class Worker:
     load: WorkerLoad = field(repr=False)
     failures: int = 0  # health checks failed in a row
     state: str = "starting"  # up | starting | slow | down
+    engine: str = ""  # native | vllm, as its health says ("" until it answered)
 
     @property
     def endpoint(self) -> str:
@@ -140,6 +141,7 @@ class WorkerSet:
                 self._set_state(worker, "slow", f"{worker.failures} health checks in a row failed: {why}")
             return
         worker.failures = 0
+        worker.engine = h.engine
         worker.load.draining = h.draining or worker.info.draining
         role_ok = h.role == worker.info.role or (worker.info.role == "decode" and h.role == "both") or \
             (worker.info.role == "both" and h.role in ("both", "decode"))

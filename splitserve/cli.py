@@ -149,6 +149,7 @@ def generate(resource: ClusterResource, prompt: str, chat: bool, max_tokens: int
 
 # -- workers ----------------------------------------------------------------------------------------------
 WORKER_FLAGS = ENGINE_FLAGS + [
+    flag("engine", "engine"),
     flag("served-model-name", "model.served_model_name"),
     flag("load-format", "model.load_format"),
     flag("tokenizer", "model.tokenizer"),
@@ -165,7 +166,8 @@ WORKER_FLAGS = ENGINE_FLAGS + [
 ]
 
 
-def _worker(resource: ClusterResource, role: str, host: str, name: str | None, advertise_host: str | None) -> None:
+def _worker(resource: ClusterResource, role: str, host: str, name: str | None, advertise_host: str | None,
+            vllm_url: str | None = None) -> None:
     import asyncio
 
     from splitserve.worker import run_process
@@ -173,7 +175,7 @@ def _worker(resource: ClusterResource, role: str, host: str, name: str | None, a
     setup_logging()
     _prepare(resource)
     try:
-        code = asyncio.run(run_process(resource, role, host, name, advertise_host))
+        code = asyncio.run(run_process(resource, role, host, name, advertise_host, vllm_url))
     except KeyboardInterrupt:
         code = 0
     if code:
@@ -186,10 +188,17 @@ def _worker_command(name: str, fixed_role: str | None, help_text: str) -> None:
                   help="this worker's name in the registry (default: <hostname>-<port>); keep it across restarts")
     @click.option("--advertise-host", default=None,
                   help="the address peers reach this worker at (default: --host, or this host's address)")
+    @click.option("--vllm-url", default=None,
+                  help="engine vllm: the vLLM server already serving beside this worker (e.g. "
+                       "http://127.0.0.1:8200, its container in the pod) instead of starting one as a child")
     @config_command(WORKER_FLAGS)
     def command(resource: ClusterResource, host: str, worker_name: str | None, advertise_host: str | None,
-                role: str | None = None) -> None:
-        _worker(resource, fixed_role or role or "both", host, worker_name, advertise_host)
+                vllm_url: str | None, role: str | None = None) -> None:
+        if vllm_url is not None and not vllm_url.startswith(("http://", "https://")):
+            fail(f"--vllm-url: {vllm_url!r} is not an http:// URL")
+        if vllm_url is not None and resource.spec.engine_of(fixed_role or role or "both") != "vllm":
+            fail("--vllm-url: this worker's engine is native (give --engine vllm)")
+        _worker(resource, fixed_role or role or "both", host, worker_name, advertise_host, vllm_url)
 
     command.__doc__ = help_text
     if fixed_role is None:
@@ -248,6 +257,7 @@ UP_FLAGS = [
     flag("model", "model.name"),
     flag("served-model-name", "model.served_model_name"),
     flag("mode", "mode"),
+    flag("engine", "engine"),
     flag("prefill", "prefill.replicas", help="prefill workers (disaggregated mode)"),
     flag("decode", "decode.replicas", help="decode workers (or colocated workers)"),
     flag("port", "router.port", help="gateway port"),

@@ -63,8 +63,8 @@ class Launcher:
         spec.membership.prefill = [f"{self.host}:{p}" for _, role, p, _ in planned if role == "prefill"]
         spec.membership.decode = [f"{self.host}:{p}" for _, role, p, _ in planned if role != "prefill"]
         threads = max(1, (os.cpu_count() or 1) // len(planned))
-        for role in (spec.prefill, spec.decode):
-            if not role.engine.threads:
+        for name, role in (("prefill", spec.prefill), ("decode", spec.decode)):
+            if not role.engine.threads and spec.engine_of(name) == "native":  # vLLM binds its own threads
                 role.engine.threads = threads
         return planned
 

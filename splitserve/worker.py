@@ -131,7 +131,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Health(self, request, context):
         return pb.HealthResponse(live=not self.dead, ready=self.ready, role=self.role, draining=self.draining,
-                                 model=self.spec.model.served_name, protocol_version=PROTOCOL_VERSION)
+                                 model=self.spec.model.served_name, protocol_version=PROTOCOL_VERSION,
+                                 engine=self.spec.engine_of(self.role))
 
     @property
     def dead(self) -> bool:
@@ -148,8 +149,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         WORKER_WAITING.set(s["num_waiting"])
         WORKER_KV_USAGE.set(s["kv_blocks_used"])
         WORKER_KV_TOTAL.set(s["kv_blocks_total"])
-        return {k: s[k] for k in ("num_waiting", "num_running", "kv_blocks_used", "kv_blocks_total",
-                                  "tokens_in_flight", "num_waiting_remote_kv", "num_held")} | {
+        return {k: s.get(k, 0) for k in ("num_waiting", "num_running", "kv_blocks_used", "kv_blocks_total",
+                                         "tokens_in_flight", "num_waiting_remote_kv", "num_held")} | {
             "outstanding_requests": self.outstanding}
 
 
@@ -271,21 +272,24 @@ class HTTPThread:
 
 
 async def run_process(resource: ClusterResource, role: str, host: str, name: str | None = None,
-                      advertise_host: str | None = None) -> int:
+                      advertise_host: str | None = None, vllm_url: str | None = None) -> int:
     """Host a worker as this process (`splitserve worker`): SIGTERM or SIGINT set its stop event (drain, then
     return). The exit code: 0, or 2 when the model did not load."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return await serve(resource, role, host, stop, name, advertise_host)
+    return await serve(resource, role, host, stop, name, advertise_host, vllm_url)
 
 
 async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.Event, name: str | None = None,
-                advertise_host: str | None = None) -> int:
+                advertise_host: str | None = None, vllm_url: str | None = None) -> int:
     """Assemble a worker and serve until `stop` is set, then drain (up to the role's drainSeconds) and close.
     Installs no signal handler and never exits the process, so any host (this process, a Ray Serve replica)
-    decides what stops it. Returns 0, or 2 when the model did not load."""
+    decides what stops it. Returns 0, or 2 when the model did not load.
+
+    With engine vllm the worker starts a vLLM server as its child (stopped after the drain), or, given
+    `vllm_url`, uses the one already serving there (the container beside it in a pod)."""
     spec = resource.spec
     role_spec = spec.role(role)
     servicer = WorkerServicer(spec, role)
@@ -301,7 +305,12 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
     presence = ClusterPresence(spec, role, name or f"{socket.gethostname()}-{role_spec.port}",
                                f"{adv}:{role_spec.port}", f"http://{adv}:{role_spec.metrics_port}")
     await presence.start()
-    loader = asyncio.ensure_future(asyncio.to_thread(load_engine, spec, role))
+    if spec.engine_of(role) == "vllm":
+        from splitserve.vllm_engine.engine import launch
+
+        loader = asyncio.ensure_future(launch(spec, role, adv, vllm_url, stop))
+    else:
+        loader = asyncio.ensure_future(asyncio.to_thread(load_engine, spec, role))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
@@ -330,6 +339,13 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
             await servicer.service.close()
         await presence.close()
         if servicer.engine is not None:
-            servicer.engine.shutdown()
+            aclose = getattr(servicer.engine, "aclose", None)
+            if aclose is not None:  # engine vllm: its HTTP client, then its server (stopping takes a while)
+                await aclose()
+                await asyncio.to_thread(servicer.engine.shutdown)
+            else:
+                servicer.engine.shutdown()
+        elif not loader.done() and spec.engine_of(role) == "vllm":  # it sees the stop and stops its server
+            await asyncio.gather(loader, return_exceptions=True)
         # stopped while loading: the load thread finishes on its own; the host decides whether to wait for it
     return code

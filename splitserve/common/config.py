@@ -62,7 +62,38 @@ class ModelSpec(Spec):
         return self.served_model_name or self.name
 
 
+EngineKind = Literal["native", "vllm"]
+
+# vLLM flags splitserve sets itself from the model (`vllm_engine.server.command`): in `vllmArgs` they are refused.
+VLLM_OWNED_FLAGS = frozenset({
+    "--model", "--served-model-name", "--tokenizer", "--host", "--port", "--dtype", "--max-model-len",
+    "--block-size", "--tensor-parallel-size", "-tp", "--enable-expert-parallel", "--enforce-eager",
+    "--load-format", "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching",
+    "--no-enable-prefix-caching", "--scheduling-policy", "--seed", "--kv-transfer-config", "--kv-events-config",
+    "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-cache-memory", "--api-key",
+})
+
+
+def check_vllm_args(args: list[str]) -> list[str]:
+    """Extra vLLM server arguments: plain words, no flag splitserve sets itself."""
+    if len(args) > 128:
+        raise ValueError(f"{len(args)} arguments; at most 128")
+    for arg in args:
+        if not arg or len(arg) > 4096 or any(c in arg for c in "\x00\n\r"):
+            raise ValueError(f"{arg[:40]!r} is not a plain argument (empty, too long, or a control character)")
+        name = arg.split("=", 1)[0]
+        if name in VLLM_OWNED_FLAGS:
+            raise ValueError(f"{name} is set by splitserve from the cluster's own fields (model, engine, ports); "
+                             f"set it there")
+    return args
+
+
 class EngineSpec(Spec):
+    kind: EngineKind | None = None
+    """This role's engine: native or vllm (default: the cluster's `engine`)."""
+    vllm_args: list[str] = Field(default_factory=list)
+    """Extra arguments for this role's vLLM servers (engine vllm), after the cluster's `vllm.args`, e.g.
+    [--quantization, fp8]; flags splitserve sets from the model are refused."""
     kv_cache_memory: str = "auto"
     """KV cache size: bytes (512MiB, 2GiB), a fraction of free memory (0.9), or auto."""
     max_num_seqs: Annotated[int, Field(ge=1)] = 128
@@ -77,6 +108,11 @@ class EngineSpec(Spec):
     """CPU threads for the model's math (0: the library's default)."""
     seed: int = 0
     """Seed of requests sampled without their own seed."""
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _vllm_args(cls, v: list[str]) -> list[str]:
+        return check_vllm_args(v)
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
@@ -304,9 +340,32 @@ class KVPoolSpec(Spec):
     """The bundled Redis's memory limit (maxmemory); pool blocks are evicted LRU past it."""
 
 
+class VllmSpec(Spec):
+    """Workers with engine vllm: a stock vLLM OpenAI server beside each splitserve worker (docs/engines.md)."""
+
+    args: list[str] = Field(default_factory=list)
+    """Extra arguments for every vLLM server (a role's engine.vllmArgs follow them), e.g. [--quantization, fp8];
+    flags splitserve sets from the model are refused."""
+    port: Port = 8200
+    """Kubernetes: the vLLM server's HTTP port inside a worker pod (local runs pick free ports)."""
+    events_port: Port = 5557
+    """Kubernetes: the port of the vLLM server's KV event publisher (ZMQ) inside a worker pod."""
+    side_channel_port: Port = 5600
+    """Kubernetes: the NixlConnector's handshake port inside a worker pod (disaggregated mode)."""
+    startup_seconds: Seconds = 1200.0
+    """How long a vLLM server may take to answer /health after it starts (model load, profiling, compilation)."""
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, v: list[str]) -> list[str]:
+        return check_vllm_args(v)
+
+
 class ImagesSpec(Spec):
     worker: str = "ghcr.io/splitserve/worker:0.1.0"
     """Kubernetes: the worker image (CUDA, torch, NIXL)."""
+    vllm: str = "docker.io/vllm/vllm-openai:v0.26.0"
+    """Kubernetes: the vLLM server image of engine vllm workers (its worker container runs the splitserve worker image beside it)."""
     gateway: str = "ghcr.io/splitserve/gateway:0.1.0"
     """Kubernetes: the slim gateway image (no torch)."""
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -360,6 +419,11 @@ class ClusterSpec(Spec):
 
     model: ModelSpec = Field(default_factory=ModelSpec)
     """The served model and its engine-wide settings."""
+    engine: EngineKind = "native"
+    """The engine every worker runs: native (splitserve's own) or vllm (a vLLM server beside each worker); a
+    role's engine.kind overrides it."""
+    vllm: VllmSpec = Field(default_factory=VllmSpec)
+    """Settings of vLLM servers (workers with engine vllm)."""
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: prefill and decode workers; colocated: `decode` workers do both."""
     prefill: PrefillSpec = Field(default_factory=PrefillSpec)
@@ -402,11 +466,43 @@ class ClusterSpec(Spec):
             raise ValueError(f"prefill.replicas: colocated mode runs no prefill workers (got "
                              f"{self.prefill.replicas}); decode.replicas sets the colocated workers, or use "
                              f"mode disaggregated")
+        self._engines()
         for name, role in (("prefill", self.prefill), ("decode", self.decode)):
             if not role.min_replicas <= role.replicas <= role.max_replicas:
                 raise ValueError(f"{name}.replicas: {role.replicas} is outside minReplicas..maxReplicas "
                                  f"({role.min_replicas}..{role.max_replicas})")
         return self
+
+    def _engines(self) -> None:
+        """What engine vllm cannot honour is refused here, naming the field, never silently ignored."""
+        kinds = {name: self.engine_of(name) for name in ("prefill", "decode")}
+        if self.mode == "disaggregated" and kinds["prefill"] != kinds["decode"]:
+            raise ValueError(f"prefill.engine.kind: prefill workers run {kinds['prefill']} and decode workers "
+                             f"{kinds['decode']}; a KV handover is the engine's own, so both roles need one engine")
+        roles = ("prefill", "decode") if self.mode == "disaggregated" else ("decode",)
+        if not any(kinds[r] == "vllm" for r in roles):
+            return
+        if self.kv_pool.enabled:
+            raise ValueError("kvPool.enabled: the KV pool works with engine native only (vLLM keeps its KV in its "
+                             "own cache; docs/engines.md); set kvPool.enabled false or engine native")
+        if self.model.load_format == "dummy" and self.model.tokenizer:
+            raise ValueError("model.tokenizer: engine vllm loads the tokenizer from the model directory; a "
+                             "separate tokenizer with dummy weights is native only")
+        if self.model.name.endswith(".gguf"):
+            raise ValueError("model.name: engine vllm serves Hugging Face model directories, not .gguf files")
+        if "block_size" not in self.model.model_fields_set:
+            # vLLM's CPU attention needs 32-token blocks; 32 suits its GPU backends as well
+            self.model.__dict__["block_size"] = 32
+        elif self.model.device == "cpu" and self.model.block_size != 32:
+            raise ValueError(f"model.blockSize: vLLM on CPU needs 32-token KV blocks (got {self.model.block_size})")
+        for r in roles:
+            if self.role(r).engine.threads:
+                raise ValueError(f"{r}.engine.threads: engine vllm picks its own CPU threads (VLLM_CPU_OMP_THREADS_BIND "
+                                 f"in the worker's environment); leave threads at 0")
+
+    def engine_of(self, name: str) -> EngineKind:
+        """The engine a worker of role `name` (prefill, decode or both) runs."""
+        return self.role(name).engine.kind or self.engine
 
     def role(self, name: str) -> RoleSpec:
         """The spec a worker of role `name` (prefill, decode or both) runs with."""

@@ -81,6 +81,7 @@ class PrefillReply:
     first_logprob: Logprob | None
     cached_tokens: int
     kv_bytes: int
+    receipt: bytes = b""  # opaque: the prefill side's answer for the decode side's handover (engine vllm)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class HealthReport:
     draining: bool
     model: str
     protocol_version: int
+    engine: str = "native"  # native | vllm
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ class GrpcWorkerClient:
         finally:
             rpc.cancel()  # a no-op once it ended; ends it when we are cancelled
         return PrefillReply(resp.first_token_id, logprob_from_pb(resp.first_logprob) if resp.has_logprob else None,
-                            resp.cached_tokens, resp.kv_bytes)
+                            resp.cached_tokens, resp.kv_bytes, resp.receipt)
 
     async def abort(self, request_id: str) -> bool:
         try:
@@ -174,7 +176,8 @@ class GrpcWorkerClient:
             h = await self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             raise _call_error(e) from None
-        return HealthReport(h.live, h.ready, h.role, h.draining, h.model, h.protocol_version)
+        return HealthReport(h.live, h.ready, h.role, h.draining, h.model, h.protocol_version,
+                            h.engine if h.engine in ("native", "vllm") else "native")
 
     async def load(self, timeout_s: float) -> LoadReport:
         try:

@@ -113,20 +113,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "has_logprob", "cached_tokens", "kv_bytes")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "has_logprob", "cached_tokens", "kv_bytes", "receipt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: TokenLogprob
     has_logprob: bool
     cached_tokens: int
     kv_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -145,20 +147,22 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("live", "ready", "role", "model", "protocol_version", "draining")
+    __slots__ = ("live", "ready", "role", "model", "protocol_version", "draining", "engine")
     LIVE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     live: bool
     ready: bool
     role: str
     model: str
     protocol_version: int
     draining: bool
-    def __init__(self, live: _Optional[bool] = ..., ready: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., protocol_version: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    engine: str
+    def __init__(self, live: _Optional[bool] = ..., ready: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., protocol_version: _Optional[int] = ..., draining: _Optional[bool] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

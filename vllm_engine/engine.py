@@ -1,0 +1,494 @@
+"""vLLM as a `ServingEngine`: a stock vLLM OpenAI server (this worker's child locally, the container beside it in a
+pod) driven over its HTTP API with token ids in and token ids out, its load read off its /metrics, its KV events
+read off its ZMQ publisher and bridged to our chained block hashes (`splitserve.common.vllm_kv_events`).
+
+Nothing of vLLM is imported: the worker runs beside the server, never inside it. Everything the server sends is
+validated before use (a chunk that does not parse ends its request with an error). The server is watched: if it
+exits, or its /metrics stops answering for `DEAD_AFTER_S`, the engine is dead, its streams end with an error,
+and the worker reports itself not live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.common.config import ClusterSpec
+from splitserve.common.hashing import hash_token_blocks
+from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.common.sampling import Logprob, SamplingParams
+from splitserve.common.vllm_kv_events import VllmEventError, VllmKVEventBridge
+from splitserve.engine.interface import KVEventListener, ModelFacts
+from splitserve.engine.outputs import RequestOutput
+from splitserve.vllm_engine.server import EVENTS_TOPIC, VllmServer, is_cpu
+
+log = logging.getLogger("splitserve.vllm")
+
+POLL_S = 0.5  # /metrics (load, liveness)
+DEAD_AFTER_S = 15.0  # a server whose /metrics has not answered this long is dead
+MAX_CHUNK = 1 << 20  # bytes of one streamed chunk
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VllmProtocolError(ValueError):
+    """What the vLLM server sent does not parse as the API we use."""
+
+
+@dataclass
+class _Load:
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+    num_kv_blocks: int = 0
+
+
+def model_facts(spec: ClusterSpec, model_dir: Path, max_model_len: int, num_kv_blocks: int) -> ModelFacts:
+    """The model as the roles see it, from its config files and what the server reported."""
+    config = json.loads((model_dir / "config.json").read_text())
+    eos: set[int] = set()
+    for path in (model_dir / "config.json", model_dir / "generation_config.json"):
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            eos.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"{model_dir}/config.json has no vocab_size")
+    device = "cpu" if is_cpu(spec) else (spec.model.device if spec.model.device.startswith("cuda") else "cuda")
+    return ModelFacts(spec.model.served_name, vocab, max_model_len, frozenset(eos), spec.model.tensor_parallel_size,
+                      device, spec.model.block_size, num_kv_blocks)
+
+
+def parse_load(text: str) -> _Load:
+    """vLLM's gauges summed over its engines (data-parallel ranks)."""
+    load = _Load()
+    usage: list[float] = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:num_requests_waiting":
+                load.num_waiting += int(s.value)
+            elif s.name == "vllm:num_requests_running":
+                load.num_running += int(s.value)
+            elif s.name == "vllm:kv_cache_usage_perc":
+                usage.append(float(s.value))
+            elif s.name == "vllm:cache_config_info":
+                blocks = s.labels.get("num_gpu_blocks", "")
+                if blocks.isdigit():
+                    load.num_kv_blocks += int(blocks)
+    load.kv_usage = sum(usage) / len(usage) if usage else 0.0
+    return load
+
+
+def request_body(model: str, request_id: str, prompt: Sequence[int], p: SamplingParams, priority: int,
+                 stream: bool) -> dict[str, Any]:
+    """A /v1/completions body: token ids in, token ids out, no text-level stops (the gateway applies those)."""
+    if p.output_offset:
+        raise ValueError("output_offset: engine vllm does not resume a request at an output position")
+    body: dict[str, Any] = {
+        "model": model, "prompt": list(prompt), "max_tokens": p.max_tokens, "temperature": p.temperature,
+        "top_p": p.top_p, "top_k": p.top_k or -1, "min_tokens": p.min_tokens, "ignore_eos": p.ignore_eos,
+        "stop_token_ids": list(p.stop_token_ids), "return_token_ids": True, "request_id": request_id,
+        "skip_special_tokens": False, "stream": stream}
+    if p.seed is not None:
+        body["seed"] = p.seed
+    if priority:
+        body["priority"] = priority
+    if p.logprobs is not None:
+        body["logprobs"] = p.logprobs
+        body["return_tokens_as_token_ids"] = True
+    if stream:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return body
+
+
+def _token_id(text: Any) -> int:
+    if not isinstance(text, str) or not text.startswith("token_id:") or not text[9:].isdigit():
+        raise VllmProtocolError(f"logprobs token {str(text)[:40]!r} is not token_id:N")
+    return int(text[9:])
+
+
+def parse_logprobs(lp: Any, n: int, want: int | None) -> list[Logprob]:
+    if want is None:
+        return []
+    if not isinstance(lp, dict):
+        raise VllmProtocolError("choices[0].logprobs: not an object")
+    tokens, values, tops = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
+    if not (isinstance(tokens, list) and isinstance(values, list) and len(tokens) == len(values) == n):
+        raise VllmProtocolError("choices[0].logprobs: tokens and token_logprobs do not match token_ids")
+    out = []
+    for i in range(n):
+        top: list[tuple[int, float]] = []
+        if want and isinstance(tops, list) and i < len(tops) and isinstance(tops[i], dict):
+            top = sorted(((_token_id(k), float(v)) for k, v in tops[i].items()), key=lambda t: -t[1])[:want]
+        value = values[i]
+        out.append(Logprob(_token_id(tokens[i]), float(value) if isinstance(value, int | float) else float("-inf"),
+                           top))
+    return out
+
+
+def parse_choice(chunk: Any, vocab_size: int) -> tuple[list[int], Any, str | None, Any]:
+    """(token ids, logprobs, finish_reason, stop_reason) of a completion (chunk) with one choice."""
+    if not isinstance(chunk, dict):
+        raise VllmProtocolError("not a JSON object")
+    if "error" in chunk:
+        err = chunk["error"]
+        raise VllmProtocolError(str(err.get("message") if isinstance(err, dict) else err)[:500])
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or len(choices) > 1:
+        raise VllmProtocolError("choices: not a list of at most one")
+    if not choices:
+        return [], None, None, None
+    c = choices[0]
+    if not isinstance(c, dict):
+        raise VllmProtocolError("choices[0]: not an object")
+    ids = c.get("token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise VllmProtocolError("choices[0].token_ids: not token ids of this model")
+    finish = c.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        raise VllmProtocolError("choices[0].finish_reason: not a string")
+    return ids, c.get("logprobs"), finish, c.get("stop_reason")
+
+
+def parse_usage(chunk: dict) -> tuple[int, int, int] | None:
+    """(prompt, cached, completion) tokens from a usage object, if there is one."""
+    usage = chunk.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    values = (usage.get("prompt_tokens"), cached or 0, usage.get("completion_tokens"))
+    if not all(isinstance(v, int) and v >= 0 for v in values):
+        raise VllmProtocolError("usage: not token counts")
+    return values  # type: ignore[return-value]
+
+
+class VllmEngine:
+    """The engine a vLLM worker's roles use (see the module's docstring)."""
+
+    def __init__(self, spec: ClusterSpec, base_url: str, events_endpoint: str, facts: ModelFacts,
+                 server: VllmServer | None = None) -> None:
+        self.spec = spec
+        self.base_url = base_url
+        self.events_endpoint = events_endpoint
+        self.facts = facts
+        self.server = server
+        self.model = spec.model.served_name
+        self._dead_reason = ""
+        self._listeners: list[KVEventListener] = []
+        self._held: set[int] = set()  # our hashes of the blocks vLLM holds (as its events told)
+        self.bridge = VllmKVEventBridge(self.model, facts.block_size, EVENTS_TOPIC)
+        self._load = _Load(num_kv_blocks=facts.num_kv_blocks)
+        self._last_answer = time.monotonic()
+        self._prefill_pending: dict[str, int] = {}  # request id -> prompt tokens, until its first output
+        self._responses: dict[str, httpx.Response] = {}  # streams in flight, to abort
+        self._tasks: list[asyncio.Task] = []
+        self._client: httpx.AsyncClient | None = None
+        self._zmq: Any = None
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the HTTP client, subscribe to the KV events, start watching the server (on the role's loop)."""
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._client = httpx.AsyncClient(base_url=self.base_url, limits=limits,
+                                         timeout=httpx.Timeout(10.0, read=None))
+        self._tasks = [asyncio.ensure_future(self._watch()), asyncio.ensure_future(self._events())]
+
+    @property
+    def dead(self) -> bool:
+        return bool(self._dead_reason)
+
+    def _die(self, reason: str) -> None:
+        if self._dead_reason:
+            return
+        self._dead_reason = reason
+        log.error("vLLM engine dead: %s", reason)
+        for resp in list(self._responses.values()):
+            asyncio.ensure_future(resp.aclose())
+
+    async def _watch(self) -> None:
+        assert self._client is not None
+        while True:
+            code = self.server.exited if self.server is not None else None
+            if code is not None:
+                self._die(f"the vLLM server exited with code {code}")
+                return
+            try:
+                resp = await self._client.get("/metrics", timeout=5.0)
+                if resp.status_code == 200:
+                    self._load = parse_load(resp.text)
+                    self._last_answer = time.monotonic()
+            except (httpx.HTTPError, ValueError) as e:  # not answering, or a page that does not parse
+                log.debug("vLLM /metrics: %s", e)
+            if time.monotonic() - self._last_answer > DEAD_AFTER_S:
+                self._die(f"the vLLM server's /metrics has not answered for {DEAD_AFTER_S:.0f} s")
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def _events(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, EVENTS_TOPIC.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.events_endpoint)
+        self._zmq = sock
+        warned = False
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    events = self.bridge.feed(frames)
+                except VllmEventError as e:
+                    if not warned:
+                        log.warning("a KV event batch from vLLM did not validate (dropped, the index resyncs): %s", e)
+                        warned = True
+                    self.bridge.reset()
+                    events = [AllBlocksCleared()]
+                for event in events:
+                    self._emit(event)
+        finally:
+            sock.close(linger=0)
+
+    def _emit(self, event: KVCacheEvent) -> None:
+        if isinstance(event, BlockStored):
+            self._held.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self._held.difference_update(event.block_hashes)
+        else:
+            self._held.clear()
+        for listener in self._listeners:
+            listener(event)
+
+    def add_kv_event_listener(self, listener: KVEventListener) -> None:
+        self._listeners.append(listener)
+
+    def cached_tokens(self, prompt: Sequence[int]) -> int:
+        """Prompt tokens in blocks vLLM holds (its events say so), as a prefix; at most all but the last."""
+        n = 0
+        for h in hash_token_blocks(prompt, self.facts.block_size, self.model):
+            if h not in self._held:
+                break
+            n += self.facts.block_size
+        return min(n, max(0, len(prompt) - 1))
+
+    def stats(self) -> dict[str, int]:
+        load = self._load
+        total = load.num_kv_blocks or self.facts.num_kv_blocks
+        waiting_tokens = sum(self._prefill_pending.values())
+        return {"num_waiting": load.num_waiting, "num_running": load.num_running,
+                "kv_blocks_used": int(round(load.kv_usage * total)), "kv_blocks_total": total,
+                "tokens_in_flight": waiting_tokens, "waiting_prefill_tokens": waiting_tokens,
+                "num_waiting_remote_kv": 0, "num_held": 0}
+
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.server is not None:
+            self.server.stop()
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._client is not None:
+            await self._client.aclose()
+
+    # -- requests ------------------------------------------------------------------------------------------
+    async def abort(self, request_id: str) -> None:
+        resp = self._responses.get(request_id)
+        if resp is not None:
+            await resp.aclose()
+
+    async def complete_once(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                            kv_transfer_params: dict[str, Any] | None = None,
+                            timeout_s: float = 30.0) -> tuple[int, Logprob | None, int, dict | None]:
+        """One non-streamed completion (a prefill: max_tokens 1): (first token, its logprob, cached prompt
+        tokens, the kv_transfer_params it returned). Raises `VllmProtocolError` or `httpx.HTTPError`."""
+        if self._client is None or self.dead:
+            raise VllmProtocolError(f"the vLLM server is not serving ({self._dead_reason or 'not started'})")
+        body = request_body(self.model, request_id, prompt, params, 0, stream=False)
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        self._prefill_pending[request_id] = len(prompt)
+        try:
+            resp = await self._client.post("/v1/completions", json=body, timeout=timeout_s)
+        finally:
+            self._prefill_pending.pop(request_id, None)
+        if len(resp.content) > MAX_CHUNK:
+            raise VllmProtocolError("a completion larger than 1 MiB")
+        try:
+            data = resp.json()
+        except ValueError:
+            raise VllmProtocolError(f"HTTP {resp.status_code}, not JSON") from None
+        if resp.status_code != 200:
+            raise VllmProtocolError(f"HTTP {resp.status_code}: {_message(data)}")
+        ids, lp, _, _ = parse_choice(data, self.facts.vocab_size)
+        if len(ids) != 1:
+            raise VllmProtocolError(f"a prefill returned {len(ids)} tokens, not 1")
+        logprobs = parse_logprobs(lp, 1, params.logprobs)
+        usage = parse_usage(data)
+        params_out = data.get("kv_transfer_params")
+        if params_out is not None and not isinstance(params_out, dict):
+            raise VllmProtocolError("kv_transfer_params: not an object")
+        return ids[0], logprobs[0] if logprobs else None, usage[1] if usage else 0, params_out
+
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 priority: int = 0, kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (`kv_transfer_params`: pull the prompt's KV from a prefill worker first)."""
+        return self._stream(request_id, list(prompt_token_ids), params, priority, kv_transfer_params)
+
+    async def _stream(self, rid: str, prompt: list[int], params: SamplingParams, priority: int,
+                      kv_transfer_params: dict[str, Any] | None) -> AsyncIterator[RequestOutput]:
+        n_out = 0
+
+        def failed(message: str) -> RequestOutput:
+            return RequestOutput(rid, [], finished=True, finish_reason="error", num_prompt_tokens=len(prompt),
+                                 num_output_tokens=n_out, error=message)
+
+        if self._client is None or self.dead:
+            yield failed(f"the vLLM server is not serving ({self._dead_reason or 'not started'})")
+            return
+        try:
+            body = request_body(self.model, rid, prompt, params, priority, stream=True)
+        except ValueError as e:
+            yield failed(str(e))
+            return
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        self._prefill_pending[rid] = len(prompt)
+        final: RequestOutput | None = None
+        cached = 0
+        try:
+            async with self._client.stream("POST", "/v1/completions", json=body) as resp:
+                self._responses[rid] = resp
+                if resp.status_code != 200:
+                    text = (await resp.aread())[:MAX_CHUNK]
+                    try:
+                        message = _message(json.loads(text))
+                    except ValueError:
+                        message = text.decode(errors="replace")[:500]
+                    yield failed(f"vLLM: HTTP {resp.status_code}: {message}")
+                    return
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data.strip() == "[DONE]":
+                        break
+                    if len(data) > MAX_CHUNK:
+                        raise VllmProtocolError("a streamed chunk larger than 1 MiB")
+                    chunk = json.loads(data)
+                    ids, lp, finish, stop_reason = parse_choice(chunk, self.facts.vocab_size)
+                    usage = parse_usage(chunk)  # in every chunk (continuous_usage_stats)
+                    if usage is not None:
+                        cached = usage[1]
+                        if final is not None:
+                            final.num_prompt_tokens, final.num_cached_tokens, final.num_output_tokens = usage
+                    if not ids and finish is None:
+                        continue
+                    self._prefill_pending.pop(rid, None)
+                    n_out += len(ids)
+                    out = RequestOutput(rid, ids, parse_logprobs(lp, len(ids), params.logprobs),
+                                        num_prompt_tokens=len(prompt), num_cached_tokens=cached,
+                                        num_output_tokens=n_out)
+                    if finish is not None:
+                        out.finished = True
+                        out.finish_reason = _FINISH.get(finish, "stop" if finish == "repetition" else "error")
+                        out.stop_reason = stop_reason if isinstance(stop_reason, int | str) else None
+                        if out.finish_reason == "error":
+                            out.error = f"vLLM finished it with {finish!r}"
+                        final = out  # sent once the usage (or the end) is read
+                        continue
+                    if final is not None:
+                        raise VllmProtocolError("tokens after the finish")
+                    yield out
+            if final is None:
+                yield failed(self._dead_reason or "the vLLM stream ended without a finish")
+            else:
+                yield final
+        except (httpx.HTTPError, VllmProtocolError, ValueError) as e:
+            if final is not None:
+                yield final
+            elif isinstance(e, httpx.HTTPError) and rid not in self._responses:
+                yield RequestOutput(rid, [], finished=True, finish_reason="abort", num_prompt_tokens=len(prompt),
+                                    num_output_tokens=n_out)
+            else:
+                yield failed(self._dead_reason or f"vLLM: {type(e).__name__}: {e}")
+        finally:
+            self._prefill_pending.pop(rid, None)
+            self._responses.pop(rid, None)
+
+
+def _message(data: Any) -> str:
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:500]
+        return str(err)[:500]
+    return str(data)[:500]
+
+
+async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_url: str | None = None,
+                 stop: asyncio.Event | None = None) -> VllmEngine:
+    """Start this worker's vLLM server (or attach to the one beside it at `attach_url`), wait until it is
+    healthy, and return the engine over it, started."""
+    import threading
+
+    from splitserve.common.model_files import resolve_model
+    from splitserve.common.proc import free_port
+    from splitserve.vllm_engine.server import VllmPorts, command, environment
+
+    model_dir = resolve_model(spec.model.name)
+    server = None
+    if attach_url is None:
+        ports = VllmPorts(free_port(), free_port(), free_port())
+        url = f"http://127.0.0.1:{ports.http}"
+        server = VllmServer(command(spec, role, str(model_dir), ports), environment(spec, role, ports,
+                            side_channel_host), url, spec.vllm.startup_seconds)
+        server.start()
+    else:
+        ports = VllmPorts(0, spec.vllm.events_port, spec.vllm.side_channel_port)
+        url = attach_url.rstrip("/")
+        server = VllmServer([], {}, url, spec.vllm.startup_seconds)  # not ours to start or stop: health only
+    flag = threading.Event()
+    watcher = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    if watcher is not None:
+        watcher.add_done_callback(lambda _: flag.set())
+    try:
+        await asyncio.to_thread(server.wait_healthy, flag)
+    except BaseException:
+        if attach_url is None:
+            await asyncio.to_thread(server.stop)
+        raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
+        models = (await client.get("/v1/models")).json()
+        metrics = (await client.get("/metrics")).text
+    max_len = spec.model.max_model_len
+    with contextlib.suppress(KeyError, IndexError, TypeError):
+        max_len = int(models["data"][0]["max_model_len"])
+    if not max_len:
+        raise ValueError("the vLLM server did not report its max_model_len")
+    facts = model_facts(spec, model_dir, max_len, parse_load(metrics).num_kv_blocks)
+    engine = VllmEngine(spec, url, f"tcp://127.0.0.1:{ports.events}", facts,
+                        server if attach_url is None else None)
+    await engine.start()
+    log.info("vLLM serving %s at %s (%d KV blocks of %d tokens)", facts.name, url, facts.num_kv_blocks,
+             facts.block_size)
+    return engine
+
+
+__all__ = ["VllmEngine", "launch", "model_facts", "parse_load"]

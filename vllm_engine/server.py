@@ -1,0 +1,181 @@
+"""A stock vLLM OpenAI server for one worker: its command line and environment, derived from the cluster's model
+and the role's engine settings (the one place they are translated, for local child processes and for the
+operator's pods alike), and the child process `splitserve worker --engine vllm` runs beside itself locally.
+
+The server is started as a module (`python -m vllm.entrypoints.openai.api_server`): the `vllm` console script of
+some builds does not start. It listens on loopback only: its one client is the worker beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.common.config import ClusterSpec
+from splitserve.common.proc import dying_with_me
+from splitserve.vllm_engine.vllm_plugin import ENV as PROGRESS_DELAY_ENV
+
+log = logging.getLogger("splitserve.vllm")
+
+EVENTS_TOPIC = "kv-events"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "ki": 1 << 10, "m": 1e6, "mb": 1e6,
+          "mib": 1 << 20, "mi": 1 << 20, "g": 1e9, "gb": 1e9, "gib": 1 << 30, "gi": 1 << 30,
+          "t": 1e12, "tb": 1e12, "tib": 1 << 40, "ti": 1 << 40}
+
+
+class VllmStartError(RuntimeError):
+    """The vLLM server did not come up (exited, or not healthy in time); the message says which."""
+
+
+@dataclass(frozen=True)
+class VllmPorts:
+    http: int  # its OpenAI API, /health and /metrics
+    events: int  # its KV event publisher (ZMQ PUB)
+    side_channel: int  # the NixlConnector's handshake (disaggregated roles)
+
+
+def is_cpu(spec: ClusterSpec) -> bool:
+    """Whether the role's vLLM runs on CPU: device cpu, or auto on a host without an NVIDIA GPU."""
+    device = spec.model.device
+    return device == "cpu" or (device == "auto" and not Path("/dev/nvidia0").exists())
+
+
+def disaggregated(spec: ClusterSpec, role: str) -> bool:
+    return role in ("prefill", "decode") and spec.mode == "disaggregated"
+
+
+def _bytes(text: str) -> int | None:
+    m = _SIZE_RE.match(text)
+    if m is None:
+        return None
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: str = sys.executable,
+            events_host: str = "127.0.0.1") -> list[str]:
+    """The vLLM server's command line for a worker of `role` (prefill, decode or both). `model`: the model
+    directory as the server sees it."""
+    m, e = spec.model, spec.role(role).engine
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--served-model-name", m.served_name, "--host", "127.0.0.1", "--port", str(ports.http),
+           "--dtype", m.dtype, "--block-size", str(m.block_size),
+           "--tensor-parallel-size", str(m.tensor_parallel_size),
+           "--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+           "--scheduling-policy", e.scheduling_policy, "--seed", str(e.seed),
+           "--enable-prompt-tokens-details"]
+    cmd.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
+    if m.max_model_len:
+        cmd += ["--max-model-len", str(m.max_model_len)]
+    if m.expert_parallel:
+        cmd.append("--enable-expert-parallel")
+    if m.load_format == "dummy":
+        cmd += ["--load-format", "dummy"]
+    # On CPU vLLM's start-up compilation takes minutes (13-15 on 2 cores): run eagerly there.
+    if m.enforce_eager or is_cpu(spec):
+        cmd.append("--enforce-eager")
+    if e.kv_cache_memory != "auto":
+        size = _bytes(e.kv_cache_memory)
+        if size is None or size <= 1:  # a fraction (on CPU vLLM reads it as the share of host memory)
+            cmd += ["--gpu-memory-utilization", str(float(e.kv_cache_memory))]
+        elif not is_cpu(spec):  # on CPU, bytes go in VLLM_CPU_KVCACHE_SPACE (`environment`)
+            cmd += ["--kv-cache-memory-bytes", str(size)]
+    cmd += ["--kv-events-config", json.dumps({
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{events_host}:{ports.events}",
+        "topic": EVENTS_TOPIC})]
+    if disaggregated(spec, role):
+        cmd += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "NixlConnector", "kv_role": "kv_both",
+            "kv_buffer_device": "cpu" if is_cpu(spec) else "cuda",
+            "kv_load_failure_policy": "recompute"})]
+    return cmd + list(spec.vllm.args) + list(spec.role(role).engine.vllm_args)
+
+
+def environment(spec: ClusterSpec, role: str, ports: VllmPorts, side_channel_host: str) -> dict[str, str]:
+    """Environment variables the server needs beyond the worker's own."""
+    env: dict[str, str] = {}
+    e = spec.role(role).engine
+    if is_cpu(spec):
+        # vLLM on CPU sizes its KV cache in whole GiB; auto is 1 GiB (its own default reserves 92% of the host's
+        # memory, which a second server on the same machine cannot get)
+        size = _bytes(e.kv_cache_memory) if e.kv_cache_memory != "auto" else 1 << 30
+        if size is not None and size > 1:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(size / (1 << 30))))
+    elif spec.model.device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = spec.model.device.split(":", 1)[1]
+    if disaggregated(spec, role):
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = side_channel_host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel)
+        # UCX over TCP on CPU (its shared-memory transports hung a second server's NIXL start on one host) or
+        # when asked; loopback when the handshake is on loopback. Values set by the operator's env win.
+        if (is_cpu(spec) or spec.kv_transfer.backend == "tcp") and "UCX_TLS" not in os.environ:
+            env["UCX_TLS"] = "tcp,self"
+        if side_channel_host in ("127.0.0.1", "localhost") and "UCX_NET_DEVICES" not in os.environ:
+            env["UCX_NET_DEVICES"] = "lo"
+        if is_cpu(spec) and PROGRESS_DELAY_ENV not in os.environ:  # vllm_plugin: an idle server spins no core
+            env[PROGRESS_DELAY_ENV] = "1000"
+    return env
+
+
+class VllmServer:
+    """A vLLM server as this worker's child: started in its own process group (its engine core processes are
+    stopped with it), gone when this process dies (even by SIGKILL)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, startup_s: float) -> None:
+        self.cmd, self.env, self.url, self.startup_s = cmd, env, url, startup_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log.info("starting vLLM: %s", " ".join(self.cmd))
+        self.proc = subprocess.Popen(dying_with_me(self.cmd), env={**os.environ, **self.env},
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def wait_healthy(self, stop: object = None) -> None:
+        """Until GET /health answers 200; raises `VllmStartError` if the server exits first or takes longer than
+        its startup limit. `stop`: an object with `is_set()`; when set, gives up (raises) at once."""
+        deadline = time.monotonic() + self.startup_s
+        while True:
+            code = self.exited
+            if code is not None:
+                raise VllmStartError(f"the vLLM server exited with code {code} while starting (its log is above)")
+            if stop is not None and stop.is_set():  # type: ignore[attr-defined]
+                raise VllmStartError("stopped while the vLLM server was starting")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise VllmStartError(f"the vLLM server did not answer {self.url}/health within "
+                                     f"{self.startup_s:.0f} s (vllm.startupSeconds)")
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `grace_s`."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("vLLM server did not stop within %.0f s: killing it", grace_s)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
