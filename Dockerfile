@@ -21,6 +21,7 @@ COPY router/ router/
 COPY prefill_worker/ prefill_worker/
 COPY decode_worker/ decode_worker/
 COPY kv_transfer/ kv_transfer/
+COPY vllm_engine/ vllm_engine/
 COPY autoscaler/ autoscaler/
 
 # -- the embedded model's tokenizer, for the gateway image --------------------------------------------------

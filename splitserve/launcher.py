@@ -160,7 +160,7 @@ class Launcher:
             if problem:
                 log.error("startup failed: %s", problem)
                 return False
-            if gateway_all_healthy(url):
+            if gateway_all_healthy(url, len(self.components["prefill"]) + len(self.components["decode"])):
                 return True
             time.sleep(0.5)
         if not stop[0]:
@@ -225,13 +225,15 @@ def redis_server() -> str:
         return found
 
 
-def gateway_all_healthy(health_url: str) -> bool:
-    """Whether a gateway's /health answers and sees every worker healthy (not answering yet: False)."""
+def gateway_all_healthy(health_url: str, expected: int = 0) -> bool:
+    """Whether a gateway's /health answers and sees every worker healthy, and at least `expected` of them
+    (workers join the registry as they finish loading; not answering yet: False)."""
     try:
         with urllib.request.urlopen(health_url, timeout=2) as r:  # noqa: S310 (our own gateway)
-            return bool(json.loads(r.read()).get("all_healthy"))
+            body = json.loads(r.read())
     except (OSError, ValueError):
         return False
+    return bool(body.get("all_healthy")) and len(body.get("workers") or ()) >= expected
 
 
 def redis_command(host: str, port: int, max_memory: str) -> list[str]:

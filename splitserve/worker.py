@@ -42,6 +42,7 @@ from splitserve.common.registry import RedisMembership, Registration
 from splitserve.common.worker_context import WorkerContext
 from splitserve.common.worker_metrics import (
     HEALTH_FLAPS,
+    WORKER_ENGINE,
     WORKER_KV_TOTAL,
     WORKER_KV_USAGE,
     WORKER_RUNNING,
@@ -300,6 +301,7 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
     http = HTTPThread(http_app(servicer), host, role_spec.metrics_port)
     http.start()
     HEALTH_FLAPS.inc(0)
+    WORKER_ENGINE.labels(spec.engine_of(role), role).set(1)
     log.info("worker %s listening: grpc %s:%d metrics %d", role, host, role_spec.port, role_spec.metrics_port)
     adv = advertised(host, advertise_host)
     presence = ClusterPresence(spec, role, name or f"{socket.gethostname()}-{role_spec.port}",

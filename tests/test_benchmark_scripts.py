@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,6 +17,19 @@ def last_json(cmd: list[str]) -> dict:
     res = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# scripts whose runs are too long for a test (they start whole clusters): their --help at least parses, which imports
+# them and their helpers
+HELP_ONLY = ["serving_ray.py", "serving_vllm_cpu.py"]
+
+
+@pytest.mark.parametrize("script", HELP_ONLY)
+def test_help(script):
+    res = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "--save NAME" in res.stdout
 
 
 def test_engine_throughput_contract():

@@ -46,6 +46,8 @@ class Engine:
 
 
 class Handover:
+    streams_first_token = False  # a push (native): the prefill's first token goes out once the KV landed
+
     def __init__(self, landed: asyncio.Future | None = None) -> None:
         self.calls: list[str] = []
         self.cancelled: list[tuple[str, object]] = []
@@ -61,8 +63,8 @@ class Handover:
         if self._landed is not None:
             await self._landed
 
-    async def admit(self, request_id, first_token_id, first_logprob=None) -> AsyncIterator[RequestOutput]:
-        self.calls.append(f"admit {request_id} {first_token_id}")
+    async def admit(self, request_id, first_token_id, first_logprob=None, receipt=b"") -> AsyncIterator[RequestOutput]:
+        self.calls.append(f"admit {request_id} {first_token_id}" + (f" {receipt.decode()}" if receipt else ""))
         yield RequestOutput(request_id, [first_token_id], num_prompt_tokens=len(PROMPT), num_output_tokens=1)
         yield RequestOutput(request_id, [5], finished=True, finish_reason="length", num_output_tokens=2)
 
@@ -77,8 +79,8 @@ class Handover:
 class Peer:
     endpoint = "p:1"
 
-    def __init__(self, fail: WorkerCallError | None = None, hang: bool = False) -> None:
-        self.fail, self.hang = fail, hang
+    def __init__(self, fail: WorkerCallError | None = None, hang: bool = False, receipt: bytes = b"") -> None:
+        self.fail, self.hang, self.receipt = fail, hang, receipt
         self.tickets: list[bytes] = []
 
     async def prefill(self, call, timeout_s) -> PrefillReply:
@@ -87,7 +89,7 @@ class Peer:
             await asyncio.Event().wait()
         if self.fail is not None:
             raise self.fail
-        return PrefillReply(42, None, 0, 1234)
+        return PrefillReply(42, None, 0, 1234, self.receipt)
 
     async def close(self) -> None:
         pass
@@ -119,6 +121,26 @@ def test_a_remote_prefill_carries_the_opaque_ticket_and_admits_after_the_landing
     assert handover.calls == ["reserve a min=32", "landed a", "admit a 42"]
     assert [list(r.token_ids) for r in out] == [[42], [5]] and out[-1].finished and out[0].remote_prefill
     assert out[0].cached_tokens == 16 and engine.calls == [] and not handover.cancelled
+
+
+class PullHandover(Handover):
+    """The pull shape (vLLM): admit's stream samples the first token itself, from the prefill's receipt."""
+
+    streams_first_token = True
+
+    async def admit(self, request_id, first_token_id, first_logprob=None, receipt=b"") -> AsyncIterator[RequestOutput]:
+        self.calls.append(f"admit {request_id} {receipt.decode()}")
+        yield RequestOutput(request_id, [43], num_prompt_tokens=len(PROMPT), num_output_tokens=1)
+        yield RequestOutput(request_id, [5], finished=True, finish_reason="length", num_output_tokens=2)
+
+
+def test_a_pull_sends_the_receipt_and_streams_the_decode_sides_first_token():
+    engine, handover, peer = Engine(), PullHandover(), Peer(receipt=b'{"where": "p"}')
+    out = asyncio.run(collect(service(handover, peer, engine), "p"))
+    assert handover.calls == ["reserve p min=32", "landed p", 'admit p {"where": "p"}']
+    # the prefill's token (42) is not sent ahead: the decode side's first token is the stream's first
+    assert [list(r.token_ids) for r in out] == [[43], [5]] and out[-1].finished and out[0].remote_prefill
+    assert engine.calls == [] and not handover.cancelled
 
 
 def test_a_failed_prefill_hands_the_reservation_back_with_the_ended_call_and_prefills_locally():

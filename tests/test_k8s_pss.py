@@ -14,7 +14,7 @@ import yaml
 from pss import pod_templates, violations
 from test_chart import CASES
 from test_chart import render as helm_render
-from test_k8s_cli import EXAMPLES, chart_cluster, render
+from test_k8s_cli import EXAMPLES, chart_cluster, render, validate
 
 HOST_IPC = "baseline/host namespaces: hostIPC is true"
 
@@ -55,6 +55,25 @@ def test_bundled_redis_and_every_init_container_are_checked(tmp_path):
                      "Deployment/llm-gateway"}
     assert sum(len(t["spec"].get("initContainers", [])) for _, t in pod_templates(objects)) == 2
     _check(objects, host_ipc=False)
+
+
+
+def test_vllm_worker_pods_are_restricted_and_valid(tmp_path):
+    """Engine vllm: both containers of each worker pod (the stock vLLM image, run as the pod's user under a
+    read-only root, and the worker beside it) keep to the standard, and the pods are valid Kubernetes 1.33."""
+    gpu = {"limits": {"nvidia.com/gpu": 1}}
+    doc = {"apiVersion": "splitserve.dev/v1alpha1", "kind": "SplitServeCluster", "metadata": {"name": "llm"},
+           "spec": {"engine": "vllm", "prefill": {"resources": gpu}, "decode": {"resources": gpu},
+                    "kubernetes": {"shmSize": "8Gi"}}}
+    path = tmp_path / "llm.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    objects = render(path)
+    workers = [t for name, t in pod_templates(objects) if name.endswith(("-prefill", "-decode"))]
+    assert len(workers) == 2
+    assert all([c["name"] for c in t["spec"]["containers"]] == ["worker", "vllm"] for t in workers)
+    assert _check(objects, host_ipc=False) == 3  # the gateway too
+    for obj in objects:
+        validate(obj)
 
 
 GOOD = {"metadata": {}, "spec": {

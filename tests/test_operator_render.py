@@ -1,17 +1,21 @@
 """The operator's plain functions, on hand-made specs: replica decisions and their clamps, the checks that make
-a spec Degraded, the pods it renders (commands, drain grace, GPUs, shm, volumes, secrets), the config every pod
-reads, the config hash that rolls pods, and the conditions' bookkeeping."""
+a spec Degraded, the pods it renders (commands, drain grace, GPUs, shm, volumes, secrets; engine vllm's two
+containers), the config every pod reads, the config hash that rolls pods, and the conditions' bookkeeping."""
 
 from __future__ import annotations
 
 import copy
+import json
+import math
 
 import pytest
 import yaml
+from test_k8s_commands import parse
 
 from splitserve.autoscaler.operator import names
 from splitserve.autoscaler.operator.checks import check
 from splitserve.autoscaler.operator.children import children, config_hash, owner_reference, rendered
+from splitserve.autoscaler.operator.pods import VLLM_SIDECAR_RESOURCES, worker_command
 from splitserve.autoscaler.operator.reconcile import contains, resource_of
 from splitserve.autoscaler.operator.replicas import (
     Observed,
@@ -23,6 +27,7 @@ from splitserve.autoscaler.operator.replicas import (
 from splitserve.autoscaler.operator.status import Condition, set_condition
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import dump
+from splitserve.vllm_engine.server import VllmPorts, command
 
 GPU = {"limits": {"nvidia.com/gpu": 1}}
 
@@ -257,6 +262,133 @@ def test_every_object_is_owned_and_labelled():
                                             "name": "llm", "uid": "u", "controller": True, "blockOwnerDeletion": True}]
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "splitserve-operator"
         assert meta["labels"][names.CLUSTER_LABEL] == "llm" and meta["namespace"] == "serving"
+
+
+# -- engine vllm: the server beside the worker ----------------------------------------------------------------
+VLLM = {"engine": "vllm", "model": {"name": "/models/qwen", "device": "cuda"},
+        "kubernetes": {"modelVolume": {"persistentVolumeClaim": {"claimName": "qwen"}}},
+        "prefill": {"resources": GPU}, "decode": {"resources": {"requests": {"cpu": "8", "memory": "64Gi"}, **GPU}}}
+VLLM_IMAGE = "docker.io/vllm/vllm-openai:v0.26.0"
+
+
+def containers(objs: dict, component: str) -> dict[str, dict]:
+    return {c["name"]: c for c in pod(objs, component)["containers"]}
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("component", ["prefill", "decode"])
+def test_a_vllm_worker_pod_runs_the_server_with_the_gpu_and_the_worker_beside_it(component):
+    objs = objects(VLLM)
+    spec = pod(objs, component)
+    assert [c["name"] for c in spec["containers"]] == ["worker", "vllm"]  # the worker stays kubectl's default
+    worker, server = spec["containers"]
+    assert (worker["image"], server["image"]) == ("ghcr.io/splitserve/worker:0.1.0", VLLM_IMAGE)
+    # the role's resources, GPUs included, are the server's; the worker relays on a little cpu and memory
+    role = resource(VLLM).spec.role(component)
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == 1 and "nvidia.com/gpu" not in json.dumps(worker)
+    assert server["resources"]["requests"]["memory"] == ("64Gi" if component == "decode" else "4Gi")
+    assert worker["resources"] == VLLM_SIDECAR_RESOURCES
+    # the worker attaches to the server over loopback; its probes are the native worker's
+    assert worker["command"] == [*worker_command(component), "--engine", "vllm", "--vllm-url", "http://127.0.0.1:8200"]
+    assert worker["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert worker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # the server's command line is vllm_engine.server's, on the model volume, its KV events on loopback
+    ports = VllmPorts(8200, 5557, 5600)
+    assert server["command"] == command(resource(VLLM).spec, component, "/models/qwen", ports, python="python3")
+    assert flag(server["command"], "--host") == "127.0.0.1" and flag(server["command"], "--model") == "/models/qwen"
+    assert json.loads(flag(server["command"], "--kv-events-config"))["endpoint"] == "tcp://127.0.0.1:5557"
+    assert json.loads(flag(server["command"], "--kv-transfer-config"))["kv_connector"] == "NixlConnector"
+    # the NIXL handshake is on the pod's IP (the downward API), at the side-channel port it declares
+    env = {e["name"]: e for e in server["env"]}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+                                                  "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
+    assert server["ports"] == [{"name": "nixl", "containerPort": 5600, "protocol": "TCP"}]
+    # a memory-backed /dev/shm for the server only; HOME and /tmp writable under the read-only root
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in spec["volumes"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in server["volumeMounts"]
+    assert all(m["name"] != "shm" for m in worker["volumeMounts"])
+    assert env["HOME"]["value"] == "/tmp" and {"name": "vllm-tmp", "mountPath": "/tmp"} in server["volumeMounts"]
+    assert {"name": "vllm-tmp", "emptyDir": {}} in spec["volumes"] and env["USER"]["value"]
+    assert server["securityContext"]["readOnlyRootFilesystem"] is True
+    for container in (worker, server):
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    assert "initContainers" not in spec  # nothing to fetch: the model is on the volume
+    assert spec["terminationGracePeriodSeconds"] == math.ceil(role.drain_seconds) + names.DRAIN_MARGIN_SECONDS
+
+
+def test_the_vllm_servers_probes_reach_its_loopback_and_cover_its_startup():
+    objs = objects({**VLLM, "vllm": {"startupSeconds": 1805, "port": 8300}, "decode": {"drainSeconds": 45}})
+    server = containers(objs, "decode")["vllm"]
+    for probe in ("startupProbe", "livenessProbe"):  # an httpGet would be sent to the pod's IP, not loopback
+        assert "httpGet" not in server[probe]
+        assert "http://127.0.0.1:8300/health" in server[probe]["exec"]["command"][-1]
+    startup = server["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1805
+    assert startup["periodSeconds"] * (startup["failureThreshold"] - 1) < 1805
+    assert server["livenessProbe"]["failureThreshold"] == 3
+    assert containers(objs, "decode")["worker"]["command"][-1] == "http://127.0.0.1:8300"
+    # on SIGTERM the server waits (up to drainSeconds) for the worker draining through it
+    [_, _, wait] = server["lifecycle"]["preStop"]["exec"]["command"]
+    assert "http://127.0.0.1:9100/healthz" in wait and "+ 45\n" in wait
+    compile(wait, "preStop", "exec")
+
+
+def test_the_vllm_sidecars_command_parses_with_the_worker_cli(tmp_path):
+    objs = objects(VLLM)
+    config = tmp_path / names.CONFIG_FILE
+    config.write_text(objs[("ConfigMap", "llm-config")]["data"][names.CONFIG_FILE])
+    worker = containers(objs, "decode")["worker"]
+    ctx = parse([a.replace(names.CONFIG_PATH, str(config)) for a in worker["command"]], {"POD_IP": "10.0.0.7"})
+    assert (ctx.params["engine"], ctx.params["vllm_url"], ctx.params["role"]) == ("vllm", "http://127.0.0.1:8200", "decode")
+
+
+def test_a_colocated_vllm_cluster_has_no_kv_transfer_and_serves_the_embedded_model_from_the_cache():
+    objs = objects({"mode": "colocated", "decode": {"engine": {"kind": "vllm", "vllmArgs": ["--quantization", "fp8"]},
+                                                    "resources": GPU}})
+    spec = pod(objs, "decode")
+    worker, server = spec["containers"]
+    assert worker["command"][5] == "both" and server["name"] == "vllm"
+    assert "--kv-transfer-config" not in server["command"] and server["command"][-2:] == ["--quantization", "fp8"]
+    assert not any(e["name"].startswith(("VLLM_NIXL", "UCX")) for e in server["env"]) and "ports" not in server
+    # the init container converts the embedded model into the pod's cache; the server reads it there
+    [init] = spec["initContainers"]
+    assert init["command"] == ["splitserve", "fetch-model", "smollm2"]
+    assert flag(server["command"], "--model") == f"{names.CACHE_DIR}/models/smollm2"
+    assert {"name": "cache", "mountPath": names.CACHE_DIR, "readOnly": True} in server["volumeMounts"]
+    assert flag(server["command"], "--served-model-name") == "smollm2"
+    assert init["resources"] == {side: {k: v for k, v in values.items() if k in ("cpu", "memory")}
+                                 for side, values in server["resources"].items()}
+
+
+def test_device_auto_is_decided_by_the_pods_gpus_not_the_operators_host():
+    """This host has no GPU: vllm_engine.server alone would take auto for cpu."""
+    gpu = containers(objects({**VLLM, "model": {"name": "/models/qwen"}}), "decode")["vllm"]
+    assert "--enforce-eager" not in gpu["command"] and not any(e["name"].startswith("VLLM_CPU") for e in gpu["env"])
+    assert json.loads(flag(gpu["command"], "--kv-transfer-config"))["kv_buffer_device"] == "cuda"
+    cpu = containers(objects({"engine": "vllm"}), "decode")["vllm"]
+    assert "--enforce-eager" in cpu["command"] and {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"} in cpu["env"]
+    assert json.loads(flag(cpu["command"], "--kv-transfer-config"))["kv_buffer_device"] == "cpu"
+
+
+def test_kubernetes_shm_size_sizes_the_vllm_servers_shm():
+    objs = objects({**VLLM, "kubernetes": {"shmSize": "4Gi", "hostIpc": True}})
+    spec = pod(objs, "prefill")
+    assert [v for v in spec["volumes"] if v["name"] == "shm"] == [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}}]
+    assert spec["hostIPC"] is True
+
+
+@pytest.mark.parametrize("spec", [{}, {"mode": "colocated"}, {"kubernetes": {"shmSize": "1Gi"}}])
+def test_a_native_cluster_renders_one_worker_container(spec):
+    objs = objects(spec)
+    for component in ("decode",) if spec.get("mode") == "colocated" else ("prefill", "decode"):
+        [worker] = pod(objs, component)["containers"]
+        assert worker["name"] == "worker" and worker["command"] == worker_command(worker["command"][5])
+        assert "--vllm-url" not in worker["command"] and "vllm" not in json.dumps(pod(objs, component))
 
 
 # -- config hash ------------------------------------------------------------------------------------------

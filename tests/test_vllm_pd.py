@@ -13,9 +13,9 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -54,6 +54,19 @@ def health(up: Up) -> dict:
         return json.loads(r.read())
 
 
+def vllm_server_of(worker_pid: int) -> tuple[int, list[str]]:
+    """The vLLM server a worker started: (its pid, its command line)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            args = (proc / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == worker_pid and "vllm.entrypoints.openai.api_server" in args:
+            return int(proc.name), args
+    raise AssertionError(f"worker {worker_pid} has no vLLM server")
+
+
 def test_health_names_the_engine_of_every_worker(pd):
     workers = health(pd)["workers"]
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
@@ -82,15 +95,8 @@ def test_greedy_text_is_the_same_prefilled_remotely_and_locally(pd):
     before = metric_sum(pd.metrics("decode"), "splitserve_remote_prefill_total", outcome="ok")
     remote = ask(pd, QUESTIONS[1], 24)
     assert metric_sum(pd.metrics("decode"), "splitserve_remote_prefill_total", outcome="ok") == before + 1
-    vllm_url = None
-    # the decode worker's vLLM server: its child process's --port
-    out = subprocess.run(["ps", "-o", "args=", "--ppid", str(pd.components["decode"][0]["pid"])],
-                         capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        if "vllm.entrypoints.openai.api_server" in line:
-            args = line.split()
-            vllm_url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
-    assert vllm_url, out
+    _, args = vllm_server_of(pd.components["decode"][0]["pid"])
+    vllm_url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
     local = openai.OpenAI(base_url=vllm_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     r = local.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[1]}],
                                       max_tokens=24, temperature=0)
@@ -113,10 +119,7 @@ def test_kv_events_reach_the_gateways_index(pd):
 def test_a_killed_vllm_prefill_server_costs_no_request(pd):
     """SIGKILL the prefill worker's vLLM server: calls in flight fail over to a local prefill, later ones too
     (the prefill worker reports itself dead); every request completes."""
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pd.components["prefill"][0]["pid"])],
-                         capture_output=True, text=True).stdout
-    pids = [int(line.split()[0]) for line in out.splitlines() if "vllm.entrypoints.openai.api_server" in line]
-    assert pids, out
+    pid, _ = vllm_server_of(pd.components["prefill"][0]["pid"])
     aio = openai.AsyncOpenAI(base_url=pd.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
     async def one(i: int) -> str:
@@ -128,7 +131,7 @@ def test_a_killed_vllm_prefill_server_costs_no_request(pd):
     async def main() -> list[str]:
         tasks = [asyncio.ensure_future(one(i)) for i in range(4)]
         await asyncio.sleep(0.5)
-        os.killpg(pids[0], signal.SIGKILL)  # the server and its engine processes
+        os.killpg(pid, signal.SIGKILL)  # the server and its engine processes
         tasks += [asyncio.ensure_future(one(i)) for i in range(4, 8)]
         return await asyncio.gather(*tasks)
 

@@ -4,7 +4,7 @@ read off its ZMQ publisher and bridged to our chained block hashes (`splitserve.
 
 Nothing of vLLM is imported: the worker runs beside the server, never inside it. Everything the server sends is
 validated before use (a chunk that does not parse ends its request with an error). The server is watched: if it
-exits, or its /metrics stops answering for `DEAD_AFTER_S`, the engine is dead, its streams end with an error,
+exits, refuses connections for `REFUSED_DEAD_S` or answers nothing for `SILENT_DEAD_S`, the engine is dead, its streams end with an error,
 and the worker reports itself not live.
 """
 
@@ -35,7 +35,8 @@ from splitserve.vllm_engine.server import EVENTS_TOPIC, VllmServer, is_cpu
 log = logging.getLogger("splitserve.vllm")
 
 POLL_S = 0.5  # /metrics (load, liveness)
-DEAD_AFTER_S = 15.0  # a server whose /metrics has not answered this long is dead
+REFUSED_DEAD_S = 10.0  # a server refusing connections this long is gone
+SILENT_DEAD_S = 120.0  # a server answering nothing at all this long is stuck
 MAX_CHUNK = 1 << 20  # bytes of one streamed chunk
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -172,11 +173,25 @@ def parse_usage(chunk: dict) -> tuple[int, int, int] | None:
     return values  # type: ignore[return-value]
 
 
+def events_socket(endpoint: str) -> Any:
+    """The SUB socket vLLM's KV event publisher sends to. vLLM connects its PUB socket to an endpoint with a
+    host (it binds only wildcards), so the worker binds this one on loopback and the server connects to it:
+    nothing listens beyond loopback. Bound before the server starts, so no event is published into the void."""
+    import zmq
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, EVENTS_TOPIC.encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    return sock
+
+
 class VllmEngine:
     """The engine a vLLM worker's roles use (see the module's docstring)."""
 
     def __init__(self, spec: ClusterSpec, base_url: str, events_endpoint: str, facts: ModelFacts,
-                 server: VllmServer | None = None) -> None:
+                 server: VllmServer | None = None, events: Any = None) -> None:
         self.spec = spec
         self.base_url = base_url
         self.events_endpoint = events_endpoint
@@ -193,7 +208,7 @@ class VllmEngine:
         self._responses: dict[str, httpx.Response] = {}  # streams in flight, to abort
         self._tasks: list[asyncio.Task] = []
         self._client: httpx.AsyncClient | None = None
-        self._zmq: Any = None
+        self._zmq: Any = events  # the bound SUB socket (`events_socket`), or None: bound at start
 
     # -- lifetime ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -216,33 +231,38 @@ class VllmEngine:
             asyncio.ensure_future(resp.aclose())
 
     async def _watch(self) -> None:
+        """Load off /metrics every POLL_S; death: the child exited, or the server refused connections (gone)
+        for REFUSED_DEAD_S, or answered nothing at all for SILENT_DEAD_S (a busy server answers slowly, and a
+        slow answer is not death)."""
         assert self._client is not None
+        refused_since: float | None = None
         while True:
             code = self.server.exited if self.server is not None else None
             if code is not None:
                 self._die(f"the vLLM server exited with code {code}")
                 return
+            now = time.monotonic()
             try:
-                resp = await self._client.get("/metrics", timeout=5.0)
+                resp = await self._client.get("/metrics", timeout=10.0)
+                refused_since = None
+                self._last_answer = time.monotonic()
                 if resp.status_code == 200:
                     self._load = parse_load(resp.text)
-                    self._last_answer = time.monotonic()
-            except (httpx.HTTPError, ValueError) as e:  # not answering, or a page that does not parse
+            except httpx.ConnectError as e:
+                refused_since = refused_since or now
                 log.debug("vLLM /metrics: %s", e)
-            if time.monotonic() - self._last_answer > DEAD_AFTER_S:
-                self._die(f"the vLLM server's /metrics has not answered for {DEAD_AFTER_S:.0f} s")
+            except (httpx.HTTPError, ValueError) as e:  # slow, or a page that does not parse
+                log.debug("vLLM /metrics: %s", e)
+            if refused_since is not None and now - refused_since > REFUSED_DEAD_S:
+                self._die(f"the vLLM server has refused connections for {REFUSED_DEAD_S:.0f} s")
+                return
+            if now - self._last_answer > SILENT_DEAD_S:
+                self._die(f"the vLLM server has not answered for {SILENT_DEAD_S:.0f} s")
                 return
             await asyncio.sleep(POLL_S)
 
     async def _events(self) -> None:
-        import zmq
-        import zmq.asyncio
-
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, EVENTS_TOPIC.encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.events_endpoint)
+        sock = self._zmq if self._zmq is not None else events_socket(self.events_endpoint)
         self._zmq = sock
         warned = False
         try:
@@ -451,15 +471,18 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
 
     model_dir = resolve_model(spec.model.name)
     server = None
+    events = None
     if attach_url is None:
         ports = VllmPorts(free_port(), free_port(), free_port())
         url = f"http://127.0.0.1:{ports.http}"
+        events = events_socket(f"tcp://127.0.0.1:{ports.events}")
         server = VllmServer(command(spec, role, str(model_dir), ports), environment(spec, role, ports,
                             side_channel_host), url, spec.vllm.startup_seconds)
         server.start()
     else:
         ports = VllmPorts(0, spec.vllm.events_port, spec.vllm.side_channel_port)
         url = attach_url.rstrip("/")
+        events = events_socket(f"tcp://127.0.0.1:{ports.events}")
         server = VllmServer([], {}, url, spec.vllm.startup_seconds)  # not ours to start or stop: health only
     flag = threading.Event()
     watcher = asyncio.ensure_future(stop.wait()) if stop is not None else None
@@ -468,6 +491,7 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
     try:
         await asyncio.to_thread(server.wait_healthy, flag)
     except BaseException:
+        events.close(linger=0)
         if attach_url is None:
             await asyncio.to_thread(server.stop)
         raise
@@ -484,7 +508,7 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
         raise ValueError("the vLLM server did not report its max_model_len")
     facts = model_facts(spec, model_dir, max_len, parse_load(metrics).num_kv_blocks)
     engine = VllmEngine(spec, url, f"tcp://127.0.0.1:{ports.events}", facts,
-                        server if attach_url is None else None)
+                        server if attach_url is None else None, events)
     await engine.start()
     log.info("vLLM serving %s at %s (%d KV blocks of %d tokens)", facts.name, url, facts.num_kv_blocks,
              facts.block_size)

@@ -63,10 +63,10 @@ def _bytes(text: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: str = sys.executable,
-            events_host: str = "127.0.0.1") -> list[str]:
+def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: str = sys.executable) -> list[str]:
     """The vLLM server's command line for a worker of `role` (prefill, decode or both). `model`: the model
-    directory as the server sees it."""
+    directory as the server sees it. Its KV event publisher connects to the worker's loopback port (vLLM binds
+    only wildcard endpoints; the worker binds this one)."""
     m, e = spec.model, spec.role(role).engine
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", m.served_name, "--host", "127.0.0.1", "--port", str(ports.http),
@@ -92,7 +92,7 @@ def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: 
         elif not is_cpu(spec):  # on CPU, bytes go in VLLM_CPU_KVCACHE_SPACE (`environment`)
             cmd += ["--kv-cache-memory-bytes", str(size)]
     cmd += ["--kv-events-config", json.dumps({
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{events_host}:{ports.events}",
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ports.events}",
         "topic": EVENTS_TOPIC})]
     if disaggregated(spec, role):
         cmd += ["--kv-transfer-config", json.dumps({

@@ -9,17 +9,24 @@ escalation, all capabilities dropped) with a read-only root filesystem (emptyDir
 and every container, init containers included, has cpu and memory requests and limits, so a namespace's
 ResourceQuota admits it. `spec.kubernetes` adds the pod-level settings platform teams set (security contexts,
 labels, annotations, priority class, scheduling, image pull secrets).
+
+A worker whose engine is vllm runs two containers: the splitserve worker (the same container, told to attach to
+the server beside it) and a stock vLLM server (`images.vllm`), whose command line and environment come from
+`splitserve.vllm_engine.server`, the one translation of the config that local runs use too.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from typing import Any
 
 from splitserve.autoscaler.operator import names
-from splitserve.common.config import ClusterResource, RoleSpec
+from splitserve.autoscaler.operator.checks import gpus_per_pod
+from splitserve.common.config import ClusterResource, ClusterSpec, RoleSpec
 from splitserve.common.model_files import EMBEDDED
+from splitserve.vllm_engine.server import VllmPorts, command, disaggregated, environment
 
 WORKER_PORT_NAMES = ("grpc", "metrics")
 
@@ -34,6 +41,26 @@ REDIS_CPU = {"requests": "100m", "limits": "1"}
 REDIS_SMALL_MEMORY = "256Mi"  # the bundled Redis's memory request without the KV pool
 REDIS_OVERHEAD_MIB = 128  # Redis's memory past maxmemory (clients, fragmentation: 25% more is allowed too)
 _REDIS_UNITS = {"b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
+# engine vllm: the splitserve worker beside the server only relays (gRPC in, HTTP and ZMQ to the server)
+VLLM_SIDECAR_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+VLLM_SHM_SIZE = "16Gi"  # the vLLM container's /dev/shm unless kubernetes.shmSize says otherwise
+VLLM_USER = "splitserve"  # $USER: torch's getpass.getuser() fails on a uid the image's /etc/passwd lacks
+VLLM_PROBE_PERIOD = 10  # seconds between the vLLM server's startup (and liveness) probes
+_POD_IP = "$(POD_IP)"  # what `environment` is given as the side-channel host; rendered from the downward API
+_VLLM_HEALTH = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=4)"
+# A vLLM container's preStop. The kubelet stops a pod's containers at once; the server keeps serving (up to
+# the role's drainSeconds) while the worker beside it drains its requests through it, i.e. while the worker's
+# /healthz answers 200 (it stops listening once drained; a worker whose server died answers 503).
+_WAIT_FOR_WORKER = """\
+import time, urllib.request
+end = time.monotonic() + {seconds}
+while time.monotonic() < end:
+    try:
+        urllib.request.urlopen("http://127.0.0.1:{port}/healthz", timeout=4).close()
+    except OSError:
+        break
+    time.sleep(1)
+"""
 
 
 def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -156,8 +183,9 @@ def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleS
                pod_labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
     """The pod template of one worker role (`role`: prefill, decode or both)."""
     k8s, images = resource.spec.kubernetes, resource.spec.images
+    vllm = resource.spec.engine_of(role) == "vllm"
     volumes, mounts = _volumes(resource, cache=True)
-    if k8s.shm_size:
+    if k8s.shm_size and not vllm:  # a vLLM pod's /dev/shm is its server's (`_vllm_server`)
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_IP", "status.podIP"),
@@ -179,16 +207,90 @@ def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleS
         "volumeMounts": mounts,
         "securityContext": _security_context(resource),
     }
+    containers = [container]
+    if vllm:
+        # The worker (still containers[0]: kubectl's default) attaches to the server; the role's resources,
+        # GPUs included, are the server's.
+        container["command"] = [*worker_command(role), "--engine", "vllm",
+                                "--vllm-url", f"http://127.0.0.1:{resource.spec.vllm.port}"]
+        container["resources"] = copy.deepcopy(VLLM_SIDECAR_RESOURCES)
+        server, server_volumes = _vllm_server(resource, role, spec, resources)
+        containers.append(server)
+        volumes += server_volumes
     pod: dict[str, Any] = {
         # SIGTERM starts the drain (the worker leaves the registry, finishes what is in flight, exits).
         "terminationGracePeriodSeconds": math.ceil(spec.drain_seconds) + names.DRAIN_MARGIN_SECONDS,
         "initContainers": _fetch_models(resource, mounts, resources),
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
         "hostIPC": k8s.host_ipc,  # outside the restricted (and baseline) standard: only when asked for
         "enableServiceLinks": False,
     }
     return _template(resource, pod_labels, annotations, pod, spec)
+
+
+def _on_pod_device(spec: ClusterSpec, role: RoleSpec) -> ClusterSpec:
+    """`spec` with model.device auto decided as the pod will run: cuda when the role asks for GPUs, else cpu.
+    `vllm_engine.server` decides auto by looking for a GPU on its own host, which here is the operator's."""
+    if spec.model.device != "auto":
+        return spec
+    device = "cuda" if gpus_per_pod(role) else "cpu"
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"device": device})})
+
+
+def _model_dir(resource: ClusterResource) -> str:
+    """The model directory as a worker pod's containers see it: the embedded model's converted copy in the pod's
+    cache (where the init container puts it and `model_files.resolve_model` finds it), else model.name itself
+    (a directory under kubernetes.modelMountPath)."""
+    name = resource.spec.model.name
+    return f"{names.CACHE_DIR}/models/{name}" if name in EMBEDDED else name
+
+
+def _python_probe(script: str, period: int, failures: int) -> dict[str, Any]:
+    """A probe run inside the vLLM container: the server listens on loopback only, which an httpGet probe (sent
+    by the kubelet to the pod's IP) cannot reach."""
+    return {"exec": {"command": ["python3", "-c", script]}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
+                 resources: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the vLLM server's container, the volumes only it mounts) of a worker pod with engine vllm."""
+    cluster, images, k8s = _on_pod_device(resource.spec, spec), resource.spec.images, resource.spec.kubernetes
+    v = cluster.vllm
+    ports = VllmPorts(v.port, v.events_port, v.side_channel_port)
+    # The image runs as the pod's user under a read-only root: HOME (HF, vLLM, Triton and FlashInfer caches)
+    # and /tmp (TorchInductor, vLLM's IPC sockets) are an emptyDir of its own.
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": names.TMP_DIR}, {"name": "USER", "value": VLLM_USER}]
+    for key, value in environment(cluster, role, ports, side_channel_host=_POD_IP).items():
+        # the NIXL handshake address the other servers dial: this pod's IP
+        env.append(_field_env(key, "status.podIP") if value == _POD_IP else {"name": key, "value": value})
+    volumes = [{"name": "vllm-tmp", "emptyDir": {}},
+               {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size or VLLM_SHM_SIZE}}]
+    mounts = [{"name": "vllm-tmp", "mountPath": names.TMP_DIR}, {"name": "shm", "mountPath": "/dev/shm"}]
+    if cluster.model.name in EMBEDDED:  # converted by the init container, as the worker reads it too
+        mounts.append({"name": "cache", "mountPath": names.CACHE_DIR, "readOnly": True})
+    if k8s.model_volume:
+        mounts.append({"name": "model", "mountPath": k8s.model_mount_path, "readOnly": True})
+    health = _VLLM_HEALTH.format(port=v.port)
+    wait = _WAIT_FOR_WORKER.format(seconds=math.ceil(spec.drain_seconds), port=spec.metrics_port)
+    container: dict[str, Any] = {
+        "name": "vllm",
+        "image": images.vllm,
+        "imagePullPolicy": images.pull_policy,
+        "command": command(cluster, role, _model_dir(resource), ports, python="python3"),
+        "env": env,
+        # loading, profiling and compiling take up to vllm.startupSeconds; the worker beside it waits as long
+        "startupProbe": _python_probe(health, VLLM_PROBE_PERIOD, math.ceil(v.startup_seconds / VLLM_PROBE_PERIOD)),
+        "livenessProbe": _python_probe(health, VLLM_PROBE_PERIOD, 3),
+        "lifecycle": {"preStop": {"exec": {"command": ["python3", "-c", wait]}}},
+        "resources": resources,
+        "volumeMounts": mounts,
+        "securityContext": _security_context(resource),
+    }
+    if disaggregated(cluster, role):  # the other servers dial its NIXL handshake
+        container["ports"] = [{"name": "nixl", "containerPort": v.side_channel_port, "protocol": "TCP"}]
+    return container, volumes
 
 
 def gateway_pod(resource: ClusterResource, pod_labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge
 
 WORKER_REQUESTS = Counter("splitserve_worker_requests", "Requests handled by this worker", ["rpc", "status"])
+WORKER_ENGINE = Gauge("splitserve_worker_engine_info", "This worker's engine and role (always 1)",
+                      ["engine", "role"])
 WORKER_RUNNING = Gauge("splitserve_worker_running_requests", "Requests running in the engine")
 WORKER_WAITING = Gauge("splitserve_worker_waiting_requests", "Requests waiting in the engine")
 WORKER_KV_USAGE = Gauge("splitserve_worker_kv_blocks_used", "KV blocks in use")

@@ -1,0 +1,170 @@
+"""`engine: native | vllm` in the configuration model and what it becomes, with no vLLM server running: settings
+vLLM cannot honour are one line naming the field; the vLLM command line and environment derived from the model;
+the pull handover's ticket and receipt validated off the wire; what the engine reads off vLLM's API and metrics;
+the NIXL pacing plugin (in a subprocess, against the installed NIXL)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from splitserve.common.config import ClusterResource
+from splitserve.common.config_file import load
+from splitserve.engine.interface import BadTicket, HandoverFailed
+from splitserve.vllm_engine.engine import (
+    VllmProtocolError,
+    parse_choice,
+    parse_load,
+    parse_logprobs,
+    request_body,
+)
+from splitserve.vllm_engine.handover import TICKET, check_ticket, parse_receipt
+from splitserve.vllm_engine.server import VllmPorts, command, environment
+
+BIN = Path(sys.executable).parent / "splitserve"
+PORTS = VllmPorts(8200, 5557, 5600)
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN), *args], capture_output=True, text=True, timeout=120)
+
+
+def cluster(**spec) -> ClusterResource:
+    return ClusterResource.model_validate({"metadata": {"name": "t"}, "spec": spec})
+
+
+@pytest.mark.parametrize("args,message", [
+    (["up", "--engine", "vllm", "--kv-pool", "--dry-run"], "--kv-pool: the KV pool works with engine native only"),
+    (["worker", "--engine", "vllm", "--device", "cpu", "--block-size", "16"],
+     "--block-size: vLLM on CPU needs 32-token KV blocks"),
+    (["up", "--engine", "nope", "--dry-run"], "--engine"),
+    (["worker", "--vllm-url", "http://127.0.0.1:1"], "--vllm-url: this worker's engine is native"),
+])
+def test_what_vllm_cannot_honour_is_one_line_naming_the_flag(args, message):
+    res = run(*args)
+    assert res.returncode == 2, res.stdout
+    assert res.stderr.startswith("splitserve: error: ") and message in res.stderr, res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"engine": "vllm", "model": {"device": "cpu"}, "prefill": {"engine": {"kind": "native"}}},
+     "prefill.engine.kind: prefill workers run native and decode workers vllm"),
+    ({"engine": "vllm", "decode": {"engine": {"threads": 2}}}, "decode.engine.threads: engine vllm"),
+    ({"engine": "vllm", "vllm": {"args": ["--port", "9"]}}, "--port is set by splitserve"),
+    ({"engine": "vllm", "decode": {"engine": {"vllmArgs": ["--kv-transfer-config={}"]}}},
+     "--kv-transfer-config is set by splitserve"),
+    ({"vllm": {"args": ["--ok", "bad\narg"]}}, "not a plain argument"),
+])
+def test_a_file_vllm_cannot_honour_is_one_line_naming_the_field(tmp_path, spec, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "splitserve.dev/v1alpha1", "kind": "SplitServeCluster",
+                                    "metadata": {"name": "t"}, "spec": spec}))
+    res = run("up", "-f", str(path), "--dry-run")
+    assert res.returncode == 2 and message in res.stderr and str(path) in res.stderr, res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_engine_vllm_defaults_to_32_token_blocks_and_a_role_may_override_the_engine():
+    r = load(None, {"engine": "vllm"}, {})
+    assert r.spec.model.block_size == 32 and r.spec.engine_of("prefill") == r.spec.engine_of("decode") == "vllm"
+    assert load(None, {}, {}).spec.model.block_size == 16  # native keeps its own default
+    mixed = cluster(mode="colocated", decode={"engine": {"kind": "vllm"}})
+    assert mixed.spec.engine == "native" and mixed.spec.engine_of("both") == "vllm"
+    # the dry run prints a document that validates again to the same thing (a worker reads it back)
+    res = run("up", "--engine", "vllm", "--mode", "colocated", "--decode", "2", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    again = ClusterResource.model_validate(yaml.safe_load(res.stdout))
+    assert again.spec.engine == "vllm" and again.spec.model.block_size == 32
+
+
+def test_the_vllm_command_follows_the_model():
+    spec = cluster(engine="vllm", model={"device": "cpu", "maxModelLen": 2048, "dtype": "float32"},
+                   decode={"engine": {"maxNumSeqs": 7, "vllmArgs": ["--max-num-partial-prefills", "2"]}},
+                   vllm={"args": ["--quantization", "fp8"]}).spec
+    cmd = command(spec, "decode", "/models/m", PORTS)
+    flags = dict(zip(cmd, cmd[1:], strict=False))
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert flags["--model"] == "/models/m" and flags["--port"] == "8200" and flags["--host"] == "127.0.0.1"
+    assert flags["--block-size"] == "32" and flags["--max-num-seqs"] == "7" and flags["--dtype"] == "float32"
+    assert flags["--max-model-len"] == "2048" and "--enforce-eager" in cmd  # eager on CPU
+    transfer = json.loads(flags["--kv-transfer-config"])
+    assert transfer["kv_connector"] == "NixlConnector" and transfer["kv_load_failure_policy"] == "recompute"
+    events = json.loads(flags["--kv-events-config"])
+    assert events["endpoint"] == "tcp://127.0.0.1:5557" and events["enable_kv_cache_events"]
+    assert cmd[-4:] == ["--quantization", "fp8", "--max-num-partial-prefills", "2"]  # cluster's, then role's
+    colocated = cluster(engine="vllm", mode="colocated").spec
+    assert "--kv-transfer-config" not in command(colocated, "both", "/m", PORTS)
+    env = environment(spec, "decode", PORTS, "10.0.0.7")
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.7" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["SPLITSERVE_NIXL_PROGRESS_DELAY_US"] == "1000"
+    big = cluster(engine="vllm", model={"device": "cpu"}, decode={"engine": {"kvCacheMemory": "2.5GiB"}}).spec
+    assert environment(big, "decode", PORTS, "h")["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    gpu = cluster(engine="vllm", model={"device": "cuda:1"}, decode={"engine": {"kvCacheMemory": "0.8"}}).spec
+    gcmd = command(gpu, "decode", "/m", PORTS)
+    assert gcmd[gcmd.index("--gpu-memory-utilization") + 1] == "0.8" and "--enforce-eager" not in gcmd
+    assert environment(gpu, "decode", PORTS, "h")["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_tickets_and_receipts_are_validated_off_the_wire():
+    check_ticket(TICKET)
+    for bad in (b"", b"{}", b"not json", b'{"handover": "vllm-pull", "v": 2}', b'{"engine": "native"}'):
+        with pytest.raises(BadTicket):
+            check_ticket(bad)
+    good = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+            "remote_engine_id": "e", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1}
+    assert parse_receipt(json.dumps(good).encode()) == good
+    for bad in ({**good, "do_remote_prefill": False}, {**good, "remote_port": 0}, {**good, "remote_host": ""},
+                {**good, "x": {"nested": "object"}}, {**good, "remote_block_ids": [[[[1]]]]}, [1, 2]):
+        with pytest.raises(HandoverFailed):
+            parse_receipt(json.dumps(bad).encode())
+    with pytest.raises(HandoverFailed):
+        parse_receipt(b"x" * (65 << 10))
+
+
+def test_what_the_engine_reads_off_vllm():
+    chunk = {"choices": [{"token_ids": [5, 6], "finish_reason": None,
+                          "logprobs": {"tokens": ["token_id:5", "token_id:6"], "token_logprobs": [-0.5, -1.0],
+                                       "top_logprobs": [{"token_id:5": -0.5, "token_id:9": -2.0}, None]}}]}
+    ids, lp, finish, _ = parse_choice(chunk, vocab_size=10)
+    assert ids == [5, 6] and finish is None
+    logprobs = parse_logprobs(lp, 2, 1)
+    assert [x.token_id for x in logprobs] == [5, 6] and logprobs[0].top == [(5, -0.5)]
+    for bad in ({"choices": [{"token_ids": [10]}]}, {"choices": [{"token_ids": [-1]}]}, {"choices": "x"},
+                {"error": {"message": "boom"}}, [1]):
+        with pytest.raises(VllmProtocolError):
+            parse_choice(bad, vocab_size=10)
+    text = ('vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="728"} 1.0\n')
+    load = parse_load(text)
+    assert (load.num_waiting, load.num_running, load.kv_usage, load.num_kv_blocks) == (3, 2, 0.25, 728)
+    from splitserve.common.sampling import SamplingParams
+
+    body = request_body("m", "r1", [1, 2], SamplingParams(max_tokens=4, temperature=0.0, stop=["x"]), 0, True)
+    assert body["prompt"] == [1, 2] and body["return_token_ids"] and "stop" not in body  # the gateway stops
+    with pytest.raises(ValueError, match="output_offset"):
+        request_body("m", "r1", [1], SamplingParams(output_offset=3), 0, True)
+
+
+def test_the_nixl_pacing_plugin_is_inert_unless_asked():
+    """Against the installed NIXL, in fresh interpreters: with the variable, an agent configuration's progress
+    delay (which NIXL's agent sets to 0) stays at the asked minimum; without it, nothing is patched."""
+    probe = ("from splitserve.vllm_engine.vllm_plugin import register\nregister()\nimport nixl._api as a\n"
+             "c = a.nixlBind.nixlAgentConfig()\nc.pthrDelay = 0\nprint(c.pthrDelay)\n")
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_NIXL_PROGRESS_DELAY_US"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**env, "SPLITSERVE_NIXL_PROGRESS_DELAY_US": "1000"})
+    if "No module named 'nixl" in out.stderr:
+        pytest.skip("NIXL is not installed here (the Makefile installs it; the tcp transport works without)")
+    assert out.returncode == 0 and out.stdout.strip() == "1000", out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr[-2000:]
