@@ -150,6 +150,8 @@ def generate(resource: ClusterResource, prompt: str, chat: bool, max_tokens: int
 # -- workers ----------------------------------------------------------------------------------------------
 WORKER_FLAGS = ENGINE_FLAGS + [
     flag("engine", "engine"),
+    flag("vllm-args", "vllm.args", help="engine vllm: extra vLLM server arguments, comma-separated "
+         "(e.g. --gpu-memory-utilization,0.45)"),
     flag("served-model-name", "model.served_model_name"),
     flag("load-format", "model.load_format"),
     flag("tokenizer", "model.tokenizer"),
@@ -258,6 +260,8 @@ UP_FLAGS = [
     flag("served-model-name", "model.served_model_name"),
     flag("mode", "mode"),
     flag("engine", "engine"),
+    flag("vllm-args", "vllm.args", help="engine vllm: extra vLLM server arguments, comma-separated "
+         "(e.g. --quantization,fp8)"),
     flag("prefill", "prefill.replicas", help="prefill workers (disaggregated mode)"),
     flag("decode", "decode.replicas", help="decode workers (or colocated workers)"),
     flag("port", "router.port", help="gateway port"),

@@ -469,7 +469,7 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
     from splitserve.common.proc import free_port
     from splitserve.vllm_engine.server import VllmPorts, command, environment
 
-    model_dir = resolve_model(spec.model.name)
+    model_dir = resolve_model(spec.model.name, need_weights=spec.model.load_format != "dummy")
     server = None
     events = None
     if attach_url is None:

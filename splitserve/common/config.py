@@ -70,7 +70,7 @@ VLLM_OWNED_FLAGS = frozenset({
     "--block-size", "--tensor-parallel-size", "-tp", "--enable-expert-parallel", "--enforce-eager",
     "--load-format", "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching",
     "--no-enable-prefix-caching", "--scheduling-policy", "--seed", "--kv-transfer-config", "--kv-events-config",
-    "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-cache-memory", "--api-key",
+    "--kv-cache-memory-bytes", "--kv-cache-memory", "--api-key",
 })
 
 

@@ -1,0 +1,173 @@
+"""engine vllm against engine native on ONE GPU, through our gateway: 1P+1D (two workers sharing the GPU) and
+colocated, each engine with the same random-weight model shape, the same flags and the same requests.
+
+What it measures (`benchmarks/serving_gpu.py`'s orchestration and its `handover` part: one request at a time on
+an idle cluster, fresh prompts of --handover-len tokens, --handover-output new tokens):
+  ttft_ms, itl_ms     medians, per engine and mode
+  pd_tail_ms          TTFT(1P+1D) - TTFT(colocated): what handing the KV over adds to the first token. For
+                      vLLM the decode server pulls the whole prompt's KV after the prefill ended (NixlConnector);
+                      for native the prefill worker streams it layer by layer while computing.
+  vllm_nixl           the decode server's own NIXL counters (`vllm:nixl_xfer_time_seconds`, bytes), when exposed
+and a Poisson load (--requests at --rate/s, --input-len/--output-len) per engine in 1P+1D: TTFT/ITL p50/p99.
+
+The two workers of 1P+1D share GPU 0, so each gets --kv-cache-memory (bytes: the same KV for both engines).
+Needs vLLM importable by `python3` (engine vllm starts `python3 -m vllm.entrypoints.openai.api_server`).
+Prints a table, then the JSON line; --out writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_gpu import SHAPES, Cluster, handover, model_dir  # noqa: E402
+
+
+def vllm_server_url(worker_pid: int) -> str | None:
+    """The HTTP URL of the vLLM server a worker started (its child's --port)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            args = (proc / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == worker_pid and "vllm.entrypoints.openai.api_server" in args:
+            return f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+    return None
+
+
+def nixl_counters(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:nixl_[a-z_]+?)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def poisson(url: str, args) -> dict:
+    cmd = [str(Path(sys.executable).parent / "splitserve"), "bench", "--url", url, "--model", args.shape,
+           "--rate", str(args.rate), "--num-requests", str(args.requests), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--vocab-low", "1", "--vocab-high",
+           str(SHAPES[args.shape]["vocab_size"]), "--seed", "3", "--json", "--no-progress", "--timeout", "300"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench failed: {out.stderr[-2000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    return {k: res.get(k) for k in ("completed", "failed", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+                                   "output_tok_s")}
+
+
+def run_engine(engine: str, args, model: Path, logs: Path) -> dict:
+    extra = ["--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if engine == "vllm":  # two servers on one GPU: each may hold this share of it (weights + KV + activations)
+        extra += ["--engine", "vllm", "--vllm-args", f"--gpu-memory-utilization,{args.vllm_gpu_share}"]
+    res: dict = {}
+    for mode, workers in (("colocated", [("both", [0], extra)]),
+                          ("disaggregated", [("prefill", [0], extra), ("decode", [0], extra)])):
+        key = f"{engine}_{mode}"
+        t0 = time.monotonic()
+        try:
+            with Cluster(args, model, mode, workers, logs, key) as c:
+                ready = time.monotonic() - t0
+                vllm_url = vllm_server_url(c.procs[-2 if mode == "disaggregated" else 0][1].pid) \
+                    if engine == "vllm" else None
+                before = nixl_counters(vllm_url) if vllm_url and mode == "disaggregated" else {}
+                h = handover(c.url, args)
+                entry = {"ready_s": round(ready, 1), "ttft_ms": round(h["ttft_ms"], 2),
+                         "itl_ms": round(h["itl_ms"], 3)}
+                if mode == "disaggregated":
+                    entry["counters"] = c.counters()
+                    if vllm_url:
+                        after = nixl_counters(vllm_url)
+                        entry["vllm_nixl"] = {k: round(after[k] - before.get(k, 0.0), 6) for k in after}
+                    entry["load"] = poisson(c.url, args)
+                res[mode] = entry
+        except (RuntimeError, TimeoutError) as e:
+            res[mode] = {"error": str(e)[-1500:]}
+        print(f"[{key}] {res[mode]}", file=sys.stderr, flush=True)
+    if "ttft_ms" in res.get("colocated", {}) and "ttft_ms" in res.get("disaggregated", {}):
+        res["pd_tail_ms"] = round(res["disaggregated"]["ttft_ms"] - res["colocated"]["ttft_ms"], 2)
+    return res
+
+
+def table(out: dict) -> str:
+    rows = ["| engine | mode | ready s | TTFT ms (1 req) | ITL ms (1 req) | load TTFT p50 s | load ITL p50 s | "
+            "load tok/s |", "|" + " --- |" * 8]
+    for engine in out["engines"]:
+        r = out[engine]
+        for mode in ("colocated", "disaggregated"):
+            e = r.get(mode, {})
+            if "error" in e:
+                rows.append(f"| {engine} | {mode} | failed: {e['error'][-120:]!r} | | | | | |")
+                continue
+            load = e.get("load", {})
+            rows.append(f"| {engine} | {mode} | {e.get('ready_s')} | {e.get('ttft_ms')} | {e.get('itl_ms')} | "
+                        f"{load.get('ttft_p50_s', '-')} | {load.get('itl_p50_s', '-')} | "
+                        f"{load.get('output_tok_s', '-')} |")
+    tails = ", ".join(f"{e}: {out[e].get('pd_tail_ms', '-')} ms" for e in out["engines"])
+    rows += ["", f"TTFT(1P+1D) - TTFT(colocated), {out['workload']['handover_len']}-token prompts: {tails}"]
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="vllm,native")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--kv-cache-memory", default="12GiB", help="per worker (two share the GPU in 1P+1D)")
+    ap.add_argument("--kv-transport", default="auto")
+    ap.add_argument("--vllm-gpu-share", type=float, default=0.45,
+                    help="engine vllm: --gpu-memory-utilization of each server (two share the GPU)")
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--disagg-threshold", type=int, default=512)
+    ap.add_argument("--handover-len", type=int, default=3072)
+    ap.add_argument("--handover-output", type=int, default=32)
+    ap.add_argument("--handover-requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=4.0)
+    ap.add_argument("--input-len", type=int, default=2048)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="splitserve-vllm-gpu-"))
+    model = model_dir(args.shape, logs)
+    out: dict = {"engines": args.engines.split(","), "shape": args.shape, "workload": {
+        "handover_len": args.handover_len, "handover_output": args.handover_output,
+        "requests": args.requests, "rate": args.rate, "input_len": args.input_len, "output_len": args.output_len,
+        "kv_cache_memory": args.kv_cache_memory}, "logs": str(logs)}
+    try:
+        import torch
+
+        out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        out["device"] = "unknown"
+    for engine in out["engines"]:
+        out[engine] = run_engine(engine, args, model, logs)
+    if all("ttft_ms" in out[e].get("disaggregated", {}) for e in out["engines"]):
+        out["itl_ms_median"] = {e: out[e]["disaggregated"]["itl_ms"] for e in out["engines"]}
+    text = table(out)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out))
+    sys.stdout.flush()
+    os._exit(0)  # leave no worker thread holding the interpreter
+
+
+if __name__ == "__main__":
+    main()
