@@ -98,6 +98,7 @@ def bench_hf(model_dir, prompts, output_len, dtype) -> tuple[float, int]:
 def bench_vllm(python, model_dir, prompts, output_len, dtype) -> tuple[float, int] | None:
     if not python or not os.path.exists(python):
         return None
+    python = os.path.abspath(python)  # it runs from a temporary directory
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "run_vllm.py")
         cfg = os.path.join(tmp, "cfg.json")
