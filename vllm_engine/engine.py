@@ -206,6 +206,7 @@ class VllmEngine:
         self._last_answer = time.monotonic()
         self._prefill_pending: dict[str, int] = {}  # request id -> prompt tokens, until its first output
         self._responses: dict[str, httpx.Response] = {}  # streams in flight, to abort
+        self._aborted: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._client: httpx.AsyncClient | None = None
         self._zmq: Any = events  # the bound SUB socket (`events_socket`), or None: bound at start
@@ -328,7 +329,8 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         resp = self._responses.get(request_id)
         if resp is not None:
-            await resp.aclose()
+            self._aborted.add(request_id)
+            await resp.aclose()  # vLLM aborts a request whose client hung up
 
     async def complete_once(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                             kv_transfer_params: dict[str, Any] | None = None,
@@ -437,10 +439,11 @@ class VllmEngine:
                 yield failed(self._dead_reason or "the vLLM stream ended without a finish")
             else:
                 yield final
-        except (httpx.HTTPError, VllmProtocolError, ValueError) as e:
+        except (httpx.HTTPError, httpx.StreamError, VllmProtocolError, ValueError) as e:
+            # StreamError: the response was closed under the read (`abort`, or the engine died)
             if final is not None:
                 yield final
-            elif isinstance(e, httpx.HTTPError) and rid not in self._responses:
+            elif rid in self._aborted:
                 yield RequestOutput(rid, [], finished=True, finish_reason="abort", num_prompt_tokens=len(prompt),
                                     num_output_tokens=n_out)
             else:
@@ -448,6 +451,7 @@ class VllmEngine:
         finally:
             self._prefill_pending.pop(rid, None)
             self._responses.pop(rid, None)
+            self._aborted.discard(rid)
 
 
 def _message(data: Any) -> str:
