@@ -7,40 +7,9 @@ Values measured at run time (the number of KV blocks) live in `KVCacheSpec`, apa
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field
 
-from splitserve.common.config import EngineSpec, ModelSpec
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
-          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
-
-
-def parse_memory(value: str | int | float, field_name: str = "kv_cache_memory") -> int | float:
-    """Parse '512MiB', '2G', 1073741824 (bytes) or a fraction in (0, 1] of free memory.
-
-    Returns an int (bytes) or a float fraction.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{field_name}: expected bytes or a fraction, got {value!r}")
-    if isinstance(value, float) or (isinstance(value, str) and re.fullmatch(r"\s*0?\.\d+\s*|\s*1\.0*\s*", value)):
-        frac = float(value)
-        if not 0.0 < frac <= 1.0:
-            raise ValueError(f"{field_name}: a fraction must be in (0, 1], got {value!r}")
-        return frac
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"{field_name}: must be positive, got {value!r}")
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ValueError(f"{field_name}: cannot parse {value!r} (use e.g. 512MiB, 2GiB, 0.9)")
-    unit = (m.group(2) or "").upper().rstrip("B")
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise ValueError(f"{field_name}: must be positive, got {value!r}")
-    return n
+from splitserve.common.config import EngineSpec, ModelSpec, parse_memory
 
 
 @dataclass

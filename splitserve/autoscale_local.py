@@ -97,7 +97,7 @@ def weight_bytes(spec: ClusterSpec) -> int:
 
 def kv_bytes(spec: ClusterSpec) -> int:
     """The larger of the two roles' KV cache settings, in bytes (auto and fractions: the CPU default)."""
-    from splitserve.engine.config import parse_memory
+    from splitserve.common.config import parse_memory
 
     sizes = [parse_memory(r.engine.kv_cache_memory) if r.engine.kv_cache_memory != "auto" else CPU_DEFAULT_KV_BYTES
              for r in (spec.prefill, spec.decode)]

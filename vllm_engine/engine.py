@@ -56,11 +56,11 @@ class _Load:
 def model_facts(spec: ClusterSpec, model_dir: Path, max_model_len: int, num_kv_blocks: int) -> ModelFacts:
     """The model as the roles see it, from its config files and what the server reported."""
     config = json.loads((model_dir / "config.json").read_text())
+    generation = model_dir / "generation_config.json"
     eos: set[int] = set()
-    for path in (model_dir / "config.json", model_dir / "generation_config.json"):
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            eos.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    for doc in (config, json.loads(generation.read_text()) if generation.is_file() else {}):
+        value = doc.get("eos_token_id")
+        eos.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:
         raise ValueError(f"{model_dir}/config.json has no vocab_size")

@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,19 +20,15 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
-from splitserve.common.config import ClusterSpec
+from splitserve.common.config import ClusterSpec, parse_memory
 from splitserve.common.proc import dying_with_me
 from splitserve.vllm_engine.vllm_plugin import ENV as PROGRESS_DELAY_ENV
 
 log = logging.getLogger("splitserve.vllm")
 
 EVENTS_TOPIC = "kv-events"
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "ki": 1 << 10, "m": 1e6, "mb": 1e6,
-          "mib": 1 << 20, "mi": 1 << 20, "g": 1e9, "gb": 1e9, "gib": 1 << 30, "gi": 1 << 30,
-          "t": 1e12, "tb": 1e12, "tib": 1 << 40, "ti": 1 << 40}
-
 
 class VllmStartError(RuntimeError):
     """The vLLM server did not come up (exited, or not healthy in time); the message says which."""
@@ -56,11 +51,11 @@ def disaggregated(spec: ClusterSpec, role: str) -> bool:
     return role in ("prefill", "decode") and spec.mode == "disaggregated"
 
 
-def _bytes(text: str) -> int | None:
-    m = _SIZE_RE.match(text)
-    if m is None:
-        return None
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+def _kv_size(text: str) -> int | float:
+    """`engine.kvCacheMemory` (not auto) as bytes (an int over 1) or a share of memory (a float), read by the
+    configuration model's parser; "1" is the whole share, as the configuration model documents it."""
+    value = parse_memory(text)
+    return float(text) if isinstance(value, int) and value <= 1 else value
 
 
 def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: str = sys.executable) -> list[str]:
@@ -86,9 +81,9 @@ def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: 
     if m.enforce_eager or is_cpu(spec):
         cmd.append("--enforce-eager")
     if e.kv_cache_memory != "auto":
-        size = _bytes(e.kv_cache_memory)
-        if size is None or size <= 1:  # a fraction (on CPU vLLM reads it as the share of host memory)
-            cmd += ["--gpu-memory-utilization", str(float(e.kv_cache_memory))]
+        size = _kv_size(e.kv_cache_memory)
+        if isinstance(size, float):  # a share (on CPU vLLM reads it as the share of host memory)
+            cmd += ["--gpu-memory-utilization", str(size)]
         elif not is_cpu(spec):  # on CPU, bytes go in VLLM_CPU_KVCACHE_SPACE (`environment`)
             cmd += ["--kv-cache-memory-bytes", str(size)]
     cmd += ["--kv-events-config", json.dumps({
@@ -109,8 +104,8 @@ def environment(spec: ClusterSpec, role: str, ports: VllmPorts, side_channel_hos
     if is_cpu(spec):
         # vLLM on CPU sizes its KV cache in whole GiB; auto is 1 GiB (its own default reserves 92% of the host's
         # memory, which a second server on the same machine cannot get)
-        size = _bytes(e.kv_cache_memory) if e.kv_cache_memory != "auto" else 1 << 30
-        if size is not None and size > 1:
+        size = _kv_size(e.kv_cache_memory) if e.kv_cache_memory != "auto" else 1 << 30
+        if isinstance(size, int):
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(size / (1 << 30))))
     elif spec.model.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = spec.model.device.split(":", 1)[1]
@@ -132,14 +127,18 @@ class VllmServer:
     """A vLLM server as this worker's child: started in its own process group (its engine core processes are
     stopped with it), gone when this process dies (even by SIGKILL)."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], url: str, startup_s: float) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, startup_s: float,
+                 output: IO[str] | None = None) -> None:
         self.cmd, self.env, self.url, self.startup_s = cmd, env, url, startup_s
+        self.output = output  # where its stdout and stderr go (None: this process's)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         log.info("starting vLLM: %s", " ".join(self.cmd))
         self.proc = subprocess.Popen(dying_with_me(self.cmd), env={**os.environ, **self.env},
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, stdout=self.output,
+                                     stderr=None if self.output is None else subprocess.STDOUT,
+                                     start_new_session=True)
 
     @property
     def exited(self) -> int | None:
