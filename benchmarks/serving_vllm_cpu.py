@@ -26,8 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +40,6 @@ KEYS = ("completed", "failed", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99
 OVERRIDES = {"engine": "vllm", "mode": "colocated", "decode.replicas": 1}  # what `up`'s flags below set
 UP_ARGS = ["up", "--engine", "vllm", "--mode", "colocated", "--decode", "1"]
 BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1")
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the process group of `proc` (started in its own session), SIGKILL it if `proc` is still there
-    after `grace_s` (what VllmServer.stop does)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    except ProcessLookupError:
-        pass
 
 
 def _kill_pids(pids: set[int]) -> list[int]:
@@ -137,32 +122,23 @@ class Vllm:
     def __init__(self, timeout: float) -> None:
         from splitserve.common.config_file import load
         from splitserve.common.model_files import resolve_model
-        from splitserve.vllm_engine.server import VllmPorts, command, environment
+        from splitserve.vllm_engine.server import VllmPorts, VllmServer, VllmStartError, command, environment
 
         spec = load(None, OVERRIDES, {}).spec
         ports = VllmPorts(free_port(), free_port(), free_port())
         self.url = f"http://127.0.0.1:{ports.http}"
-        self.cmd = command(spec, "both", str(resolve_model(spec.model.name)), ports)
-        self.env = environment(spec, "both", ports, "127.0.0.1")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="serving_vllm_cpu-", suffix=".log", delete=False)
+        self.server = VllmServer(command(spec, "both", str(resolve_model(spec.model.name)), ports),
+                                 {"PYTHONUNBUFFERED": "1", **environment(spec, "both", ports, "127.0.0.1")},
+                                 self.url, timeout, output=self.log)
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, env={**BASE_ENV, **self.env}, stdin=subprocess.DEVNULL,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = t0 + timeout
-        while True:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"vllm exited with code {self.proc.returncode} while starting:\n" + self.log_tail())
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"vllm not healthy within {timeout:.0f} s:\n" + self.log_tail())
-            time.sleep(0.5)
+        self.server.start()
+        self.proc = self.server.proc
+        try:
+            self.server.wait_healthy()
+        except VllmStartError as e:
+            self.stop()
+            raise RuntimeError(f"vllm: {e}:\n" + self.log_tail()) from None
         self.ready_s = time.monotonic() - t0
 
     def log_tail(self) -> str:
@@ -174,8 +150,7 @@ class Vllm:
     def stop(self) -> tuple[float, list[int]]:
         t0 = time.monotonic()
         before = self.pids()
-        if self.proc.poll() is None:
-            _stop_group(self.proc, 30.0)
+        self.server.stop(30.0)
         elapsed = time.monotonic() - t0
         time.sleep(1.0)
         self.log.close()
