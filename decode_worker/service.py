@@ -26,6 +26,7 @@ from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol.convert import (
     ProtocolError,
     check_request,
+    check_resume,
     logprob_to_pb,
     params_from_pb,
 )
@@ -87,6 +88,7 @@ class DecodeService:
         try:
             check_request(req.protocol_version, req.request_id, req.prompt_token_ids, facts.vocab_size,
                           facts.max_model_len)
+            check_resume(req.prompt_token_ids, req.resume_token_ids, facts.vocab_size, facts.max_model_len)
             params = params_from_pb(req.params)
             if req.prefill_worker and self.handover is not None:
                 peer = self._peer(req.prefill_worker)
@@ -95,7 +97,9 @@ class DecodeService:
         except ProtocolError as e:
             WORKER_REQUESTS.labels("generate", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        prompt = list(req.prompt_token_ids)
+        # a moved request continues after the output it produced elsewhere: the engine sees it as context
+        resumed = len(req.resume_token_ids)
+        prompt = list(req.prompt_token_ids) + list(req.resume_token_ids)
         rid = req.request_id
         stream: AsyncIterator[RequestOutput] | None = None
         remote = False
@@ -123,7 +127,7 @@ class DecodeService:
             if out.finished:  # counted before the last message: the caller may hang up once it has it
                 WORKER_REQUESTS.labels("generate", "ok" if out.finish_reason in ("stop", "length") else
                                        out.finish_reason or "error").inc()
-            yield _to_pb(out, remote)
+            yield _to_pb(out, remote, resumed)
 
     async def _remote(self, rid, prompt, params, priority, peer,
                       timeline: HandoverTimeline) -> tuple[AsyncIterator[RequestOutput] | None, bool]:
@@ -221,11 +225,14 @@ class DecodeService:
             await self.handover.close()
 
 
-def _to_pb(out: RequestOutput, remote: bool) -> pb.GenerateResponse:
+def _to_pb(out: RequestOutput, remote: bool, resumed: int = 0) -> pb.GenerateResponse:
+    """Usage as the request sees it: the `resumed` tokens it produced elsewhere count as output, not prompt."""
+    prompt_tokens = max(0, out.num_prompt_tokens - resumed)
     return pb.GenerateResponse(
         request_id=out.request_id, token_ids=out.new_token_ids,
         logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs], finished=out.finished,
         finish_reason=out.finish_reason or "", stop_reason="" if out.stop_reason is None else str(out.stop_reason),
-        prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens + out.num_loaded_tokens,
-        completion_tokens=out.num_output_tokens, error=out.error or "", remote_prefill=remote,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=min(out.num_cached_tokens + out.num_loaded_tokens, prompt_tokens),
+        completion_tokens=out.num_output_tokens + resumed, error=out.error or "", remote_prefill=remote,
     )

@@ -172,6 +172,8 @@ class HTTPApi:
                 lps.extend(p.logprobs)
                 finish = p.finish_reason
                 usage = (p.prompt_tokens, p.completion_tokens, p.cached_tokens)
+                if finish == "error":  # it failed after its first token and could not move
+                    raise APIError(500, p.error, code="worker_error")
         except APIError as e:
             m.REQUESTS.labels(endpoint, str(e.status)).inc()
             return e.response()
@@ -210,9 +212,11 @@ class HTTPApi:
             if spec.chat:
                 yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
+            finish = None
             async for p in self.gw.generate(spec, rid):
                 clock.tick(p)
                 usage = (p.prompt_tokens, p.completion_tokens, p.cached_tokens)
+                finish = p.finish_reason
                 if not p.text and p.finish_reason is None and not p.logprobs:
                     continue
                 if spec.chat:
@@ -226,8 +230,11 @@ class HTTPApi:
                     yield chunk({"index": 0, "text": p.text, "logprobs": lp, "finish_reason": p.finish_reason})
             if spec.include_usage:
                 yield chunk(None, {"usage": _usage(*usage)})
-            status = "200"
-            m.E2E.observe(time.monotonic() - t0)
+            if finish == "error":  # it failed after its first token and could not move
+                status = "500"
+            else:
+                status = "200"
+                m.E2E.observe(time.monotonic() - t0)
         except APIError as e:
             status = str(e.status)
             yield f"data: {json.dumps(e.body())}\n\n"

@@ -23,3 +23,10 @@ HEALTH_FLAPS = Counter("splitserve_health_flaps", "Times a worker this gateway s
 DECISIONS = Counter("splitserve_router_decisions", "Routing decisions by reason", ["policy", "reason"])
 PREFIX_HIT_TOKENS = Counter("splitserve_router_prefix_hit_tokens",
                             "Prompt tokens the routing decision found cached on the chosen decode worker")
+MIGRATIONS = Counter("splitserve_router_migrations",
+                     "Requests moved to another decode worker after their stream failed mid-way, by why "
+                     "(worker_gone, stall, drain, engine) and how the move ended (resumed, failed, limit, no_worker, "
+                     "client_left)", ["reason", "outcome"])
+MIGRATION_GAP = Histogram("splitserve_router_migration_gap_seconds",
+                          "How long a moved stream's client waited between the last token before the failure and "
+                          "the first one after it", buckets=LATENCY_BUCKETS)

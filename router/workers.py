@@ -30,6 +30,7 @@ class Worker:
     failures: int = 0  # health checks failed in a row
     state: str = "starting"  # up | starting | slow | down
     engine: str = ""  # native | vllm, as its health says ("" until it answered)
+    capabilities: frozenset[str] = frozenset()  # as its health says: "resume" (it can continue a moved request)
 
     @property
     def endpoint(self) -> str:
@@ -142,6 +143,7 @@ class WorkerSet:
             return
         worker.failures = 0
         worker.engine = h.engine
+        worker.capabilities = h.capabilities
         worker.load.draining = h.draining or worker.info.draining
         role_ok = h.role == worker.info.role or (worker.info.role == "decode" and h.role == "both") or \
             (worker.info.role == "both" and h.role in ("both", "decode"))

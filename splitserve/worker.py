@@ -57,6 +57,8 @@ log = logging.getLogger("splitserve.worker")
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 RoleBuilder = Callable[[ClusterSpec, ServingEngine, WorkerContext], Awaitable[Any]]
+STOP_GRACE_SECONDS = 2.0  # after the drain: for the last messages of moved streams, and calls still finishing
+
 ROLES: dict[str, RoleBuilder] = {"prefill": build_prefill, "decode": build_decode, "both": build_colocated}
 
 
@@ -88,6 +90,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.outstanding = 0
         self.draining = False
         self._was_healthy = False
+        self._streams: set[asyncio.Task] = set()  # the Generate calls in flight
+        self._moved: set[asyncio.Task] = set()  # those ended by the drain's end (moved to another worker)
 
     @property
     def ready(self) -> bool:
@@ -103,6 +107,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _serve(self, method: str, request, context):
         await self._need_ready(context)
+        if self.draining:  # before its gRPC server stops taking calls: the caller tries another worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         handler = getattr(self.service, method, None)
         if handler is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {self.role} worker does not serve {method}")
@@ -111,11 +117,30 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Generate(self, request, context):
         handler = await self._serve("generate", request, context)
         self.outstanding += 1
+        task = asyncio.current_task()
+        self._streams.add(task)
         try:
             async for out in handler(request, context):
+                if out.finished and out.finish_reason in ("error", "abort") and self.dead:
+                    out.retry = "engine"  # this worker can no longer run it; another one can
                 yield out
+        except asyncio.CancelledError:
+            if task not in self._moved:
+                raise
+            # the drain ran out of time: the request ends here and the gateway moves it to another worker
+            yield pb.GenerateResponse(request_id=request.request_id, finished=True, finish_reason="error",
+                                      error="the worker is stopping: its drain time ran out", retry="drain")
         finally:
+            self._streams.discard(task)
             self.outstanding -= 1
+
+    def move_streams(self) -> int:
+        """The drain ran out of time: end every stream still running with a retryable error (the gateway
+        continues each elsewhere). Returns how many."""
+        for task in self._streams:
+            self._moved.add(task)
+            task.cancel()
+        return len(self._streams)
 
     async def Prefill(self, request, context):
         handler = await self._serve("prefill", request, context)
@@ -133,7 +158,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Health(self, request, context):
         return pb.HealthResponse(live=not self.dead, ready=self.ready, role=self.role, draining=self.draining,
                                  model=self.spec.model.served_name, protocol_version=PROTOCOL_VERSION,
-                                 engine=self.spec.engine_of(self.role))
+                                 engine=self.spec.engine_of(self.role),
+                                 capabilities=["resume"] if self.role != "prefill" else [])
 
     @property
     def dead(self) -> bool:
@@ -246,6 +272,19 @@ class ClusterPresence:
             await self.link.close()
 
 
+async def _drain(servicer: WorkerServicer, seconds: float) -> None:
+    """Let the calls in flight finish for up to `seconds`; then tell the streams still running to move."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while servicer.outstanding and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    moved = servicer.move_streams()
+    if moved:
+        log.warning("worker %s: drain time ran out; %d streams move to other workers", servicer.role, moved)
+        while servicer.outstanding and loop.time() < deadline + STOP_GRACE_SECONDS:
+            await asyncio.sleep(0.05)  # their last message goes out
+
+
 def advertised(host: str, advertise_host: str | None) -> str:
     """The address peers reach this worker at: --advertise-host, else the bind address (else this host's)."""
     if advertise_host:
@@ -333,7 +372,8 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
         await presence.drain()
         log.info("worker %s draining: %d requests in flight (up to %.0f s)", role, servicer.outstanding,
                  role_spec.drain_seconds)
-        await server.stop(grace=role_spec.drain_seconds)  # no new calls; those in flight may finish
+        await _drain(servicer, role_spec.drain_seconds)
+        await server.stop(grace=STOP_GRACE_SECONDS)
         log.info("worker %s stopped", role)
     finally:
         http.stop()

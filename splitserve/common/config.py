@@ -286,6 +286,11 @@ class RouterSpec(Spec):
     """How often each worker's health is checked."""
     health_failures: Annotated[int, Field(ge=1)] = 3
     """Failed health checks in a row before a worker that still accepts connections counts as unresponsive."""
+    migration_limit: Count = 3
+    """How often one request may move to another decode worker after its stream failed mid-way (the worker died,
+    stalled or ran out of drain time); it continues from the tokens already sent. 0: never."""
+    stall_seconds: Annotated[float, Field(ge=0)] = 30.0
+    """A stream that has sent its first token and then nothing for this long moves to another worker (0: never)."""
     api_key_secret: SecretKeyRef | None = None
     """Kubernetes: a Secret key holding the gateway's API keys (comma-separated); clients send one as a Bearer token."""
     resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)

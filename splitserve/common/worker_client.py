@@ -6,8 +6,8 @@ The gateway calls decode workers through it, and a decode worker calls its prefi
 not import each other, so it lives in the bottom layer, next to the protocol it speaks). A failed call raises
 `WorkerCallError`, whose `kind` is what a caller decides on (retry elsewhere, a client error, give up).
 
-`generate` takes one `GenerateCall`; a later field (e.g. resume tokens, sent only to a worker whose health
-reports the capability) is added there with a default, so no caller changes.
+`generate` takes one `GenerateCall`; a later field is added there with a default, so no caller changes. Resume
+tokens (a request moved after its first worker failed) go only to a worker whose health lists `resume`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_m
 # invalid: the worker refused the request itself (a client error, never retried); unavailable: refused or reset
 # connection; cancelled: the worker cancelled the call; closed: the call was cancelled under us (its channel
 # closed); timeout: past the call's deadline; failed: anything else the worker answered
+CAPABILITIES = frozenset({"resume"})  # what a worker may list in its health (others are ignored)
+RETRY_REASONS = frozenset({"drain", "engine"})  # why a worker says a failed request may go on elsewhere
+
 CallErrorKind = Literal["invalid", "unavailable", "cancelled", "closed", "timeout", "failed"]
 
 
@@ -49,6 +52,8 @@ class GenerateCall:
     params: SamplingParams
     prefill_worker: str = ""  # the prefill worker's name in membership ("": the decode worker prefills)
     priority: int = 0
+    # output tokens produced elsewhere before (a moved request); `params` are already reduced by them
+    resume_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -65,6 +70,7 @@ class GenerateChunk:
     completion_tokens: int = 0
     error: str = ""
     remote_prefill: bool = False
+    retry: str = ""  # with finish_reason error: the request may go on elsewhere, and why (drain | engine)
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class HealthReport:
     model: str
     protocol_version: int
     engine: str = "native"  # native | vllm
+    capabilities: frozenset[str] = frozenset()  # beyond protocol_version: "resume"
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,8 @@ class GrpcWorkerClient:
     def generate(self, call: GenerateCall) -> _GrpcTokenStream:
         req = pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, request_id=call.request_id,
                                  prompt_token_ids=call.prompt_token_ids, params=params_to_pb(call.params),
-                                 prefill_worker=call.prefill_worker, priority=call.priority)
+                                 prefill_worker=call.prefill_worker, priority=call.priority,
+                                 resume_token_ids=call.resume_token_ids)
         return _GrpcTokenStream(self._stub.Generate(req))
 
     async def prefill(self, call: PrefillCall, timeout_s: float) -> PrefillReply:
@@ -177,7 +185,8 @@ class GrpcWorkerClient:
         except grpc.aio.AioRpcError as e:
             raise _call_error(e) from None
         return HealthReport(h.live, h.ready, h.role, h.draining, h.model, h.protocol_version,
-                            h.engine if h.engine in ("native", "vllm") else "native")
+                            h.engine if h.engine in ("native", "vllm") else "native",
+                            frozenset(c for c in h.capabilities if c in CAPABILITIES))
 
     async def load(self, timeout_s: float) -> LoadReport:
         try:
@@ -201,7 +210,8 @@ class _GrpcTokenStream:
                 yield GenerateChunk(
                     list(resp.token_ids), [logprob_from_pb(lp) for lp in resp.logprobs], resp.finished,
                     resp.finish_reason, resp.stop_reason, resp.prompt_tokens, resp.cached_tokens,
-                    resp.completion_tokens, resp.error, resp.remote_prefill)
+                    resp.completion_tokens, resp.error, resp.remote_prefill,
+                    resp.retry if resp.retry in RETRY_REASONS else "engine" if resp.retry else "")
         except grpc.aio.AioRpcError as e:
             raise _call_error(e) from None
         except asyncio.CancelledError:

@@ -30,6 +30,16 @@ def check_request(protocol_version: int, request_id: str, prompt: Sequence[int],
         raise ProtocolError(f"prompt_token_ids: ids must be below the vocabulary size {vocab_size}")
 
 
+def check_resume(prompt: Sequence[int], resume: Sequence[int], vocab_size: int, max_model_len: int) -> None:
+    """The output tokens a moved request already produced: they follow the prompt in its context."""
+    if not resume:
+        return
+    if len(prompt) + len(resume) >= max_model_len:
+        raise ProtocolError(f"resume_token_ids: {len(prompt)} + {len(resume)} tokens, context length is {max_model_len}")
+    if max(resume) >= vocab_size:
+        raise ProtocolError(f"resume_token_ids: ids must be below the vocabulary size {vocab_size}")
+
+
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,

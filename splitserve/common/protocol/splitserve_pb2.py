@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+splitserve/common/protocol/splitserve.proto\x12\rsplitserve.v1\"\xad\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\rwant_logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x15\n\routput_offset\x18\x0e \x01(\r\"\xb2\x01\n\x0fGenerateRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"\x96\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\r\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x16\n\x0eremote_prefill\x18\x0b \x01(\x08\"\x97\x01\n\x0ePrefillRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0e\n\x06ticket\x18\x05 \x01(\x0c\"\xc0\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x32\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x13\n\x0bhas_logprob\x18\x04 \x01(\x08\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x0f\n\x07receipt\x18\x07 \x01(\x0c\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x86\x01\n\x0eHealthResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x18\n\x10protocol_version\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\"\x0e\n\x0cStatsRequest\"\xd3\x01\n\rStatsResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12\x1d\n\x15num_waiting_remote_kv\x18\x06 \x01(\r\x12\x10\n\x08num_held\x18\x07 \x01(\r\x12\x1c\n\x14outstanding_requests\x18\x08 \x01(\r2\xf0\x02\n\x06Worker\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x45\n\x06Health\x12\x1c.splitserve.v1.HealthRequest\x1a\x1d.splitserve.v1.HealthResponse\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+splitserve/common/protocol/splitserve.proto\x12\rsplitserve.v1\"\xad\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\rwant_logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\x15\n\routput_offset\x18\x0e \x01(\r\"\xcc\x01\n\x0fGenerateRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"\xa5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\r\x12\r\n\x05\x65rror\x18\n \x01(\t\x12\x16\n\x0eremote_prefill\x18\x0b \x01(\x08\x12\r\n\x05retry\x18\x0c \x01(\t\"\x97\x01\n\x0ePrefillRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0e\n\x06ticket\x18\x05 \x01(\x0c\"\xc0\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x32\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x13\n\x0bhas_logprob\x18\x04 \x01(\x08\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x0f\n\x07receipt\x18\x07 \x01(\x0c\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x9c\x01\n\x0eHealthResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x18\n\x10protocol_version\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x0e\n\x06\x65ngine\x18\x07 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x08 \x03(\t\"\x0e\n\x0cStatsRequest\"\xd3\x01\n\rStatsResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x18\n\x10tokens_in_flight\x18\x05 \x01(\x04\x12\x1d\n\x15num_waiting_remote_kv\x18\x06 \x01(\r\x12\x10\n\x08num_held\x18\x07 \x01(\r\x12\x1c\n\x14outstanding_requests\x18\x08 \x01(\r2\xf0\x02\n\x06Worker\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x45\n\x06Health\x12\x1c.splitserve.v1.HealthRequest\x1a\x1d.splitserve.v1.HealthResponse\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=63
   _globals['_SAMPLINGPARAMS']._serialized_end=364
   _globals['_GENERATEREQUEST']._serialized_start=367
-  _globals['_GENERATEREQUEST']._serialized_end=545
-  _globals['_TOPLOGPROB']._serialized_start=547
-  _globals['_TOPLOGPROB']._serialized_end=594
-  _globals['_TOKENLOGPROB']._serialized_start=596
-  _globals['_TOKENLOGPROB']._serialized_end=685
-  _globals['_GENERATERESPONSE']._serialized_start=688
-  _globals['_GENERATERESPONSE']._serialized_end=966
-  _globals['_PREFILLREQUEST']._serialized_start=969
-  _globals['_PREFILLREQUEST']._serialized_end=1120
-  _globals['_PREFILLRESPONSE']._serialized_start=1123
-  _globals['_PREFILLRESPONSE']._serialized_end=1315
-  _globals['_ABORTREQUEST']._serialized_start=1317
-  _globals['_ABORTREQUEST']._serialized_end=1351
-  _globals['_ABORTRESPONSE']._serialized_start=1353
-  _globals['_ABORTRESPONSE']._serialized_end=1383
-  _globals['_HEALTHREQUEST']._serialized_start=1385
-  _globals['_HEALTHREQUEST']._serialized_end=1400
-  _globals['_HEALTHRESPONSE']._serialized_start=1403
-  _globals['_HEALTHRESPONSE']._serialized_end=1537
-  _globals['_STATSREQUEST']._serialized_start=1539
-  _globals['_STATSREQUEST']._serialized_end=1553
-  _globals['_STATSRESPONSE']._serialized_start=1556
-  _globals['_STATSRESPONSE']._serialized_end=1767
-  _globals['_WORKER']._serialized_start=1770
-  _globals['_WORKER']._serialized_end=2138
+  _globals['_GENERATEREQUEST']._serialized_end=571
+  _globals['_TOPLOGPROB']._serialized_start=573
+  _globals['_TOPLOGPROB']._serialized_end=620
+  _globals['_TOKENLOGPROB']._serialized_start=622
+  _globals['_TOKENLOGPROB']._serialized_end=711
+  _globals['_GENERATERESPONSE']._serialized_start=714
+  _globals['_GENERATERESPONSE']._serialized_end=1007
+  _globals['_PREFILLREQUEST']._serialized_start=1010
+  _globals['_PREFILLREQUEST']._serialized_end=1161
+  _globals['_PREFILLRESPONSE']._serialized_start=1164
+  _globals['_PREFILLRESPONSE']._serialized_end=1356
+  _globals['_ABORTREQUEST']._serialized_start=1358
+  _globals['_ABORTREQUEST']._serialized_end=1392
+  _globals['_ABORTRESPONSE']._serialized_start=1394
+  _globals['_ABORTRESPONSE']._serialized_end=1424
+  _globals['_HEALTHREQUEST']._serialized_start=1426
+  _globals['_HEALTHREQUEST']._serialized_end=1441
+  _globals['_HEALTHRESPONSE']._serialized_start=1444
+  _globals['_HEALTHRESPONSE']._serialized_end=1600
+  _globals['_STATSREQUEST']._serialized_start=1602
+  _globals['_STATSREQUEST']._serialized_end=1616
+  _globals['_STATSRESPONSE']._serialized_start=1619
+  _globals['_STATSRESPONSE']._serialized_end=1830
+  _globals['_WORKER']._serialized_start=1833
+  _globals['_WORKER']._serialized_end=2201
 # @@protoc_insertion_point(module_scope)
