@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import time
 from dataclasses import dataclass, field
@@ -98,17 +99,77 @@ def migrations(up: Up, **labels: str) -> float:
     return metric_sum(scrape(up.url), "splitserve_router_migrations_total", **labels)
 
 
+CLUSTER = """apiVersion: splitserve.dev/v1alpha1
+kind: SplitServeCluster
+metadata: {name: moves}
+spec:
+  mode: colocated
+  decode: {replicas: 3, drainSeconds: 1}
+  router: {stallSeconds: 5}
+"""
+
+
 @pytest.fixture(scope="module")
-def pair():
-    up = Up("--mode", "colocated", "--decode", "2")
+def trio(tmp_path_factory):
+    """Three colocated workers; each test below takes one away (stopped, drained, killed)."""
+    cfg = tmp_path_factory.mktemp("moves") / "cluster.yaml"
+    cfg.write_text(CLUSTER)
+    up = Up("-f", str(cfg))
     yield up
     up.stop()
 
 
-def test_a_decode_worker_sigkilled_mid_stream_costs_no_stream(pair):
+def alive(up: Up) -> list[dict]:
+    return [c for c in up.components["decode"] if _alive(c["pid"])]
+
+
+def test_a_stalled_worker_s_streams_move_after_stall_seconds(trio):
+    """SIGSTOP the busiest worker: its streams send nothing more, and after router.stallSeconds each moves to
+    another worker and completes as if undisturbed."""
+    up = trio
+    requests = bodies(6, sampled=2, prefix="Stall. ")
+    undisturbed = asyncio.run(run(up.url, requests))
+    victim = {}
+
+    def stop() -> None:
+        victim.update(busier(up))
+        os.kill(victim["pid"], signal.SIGSTOP)
+
+    try:
+        moved = asyncio.run(run(up.url, requests, when_all_have=3, then=stop))
+    finally:
+        if victim:
+            os.kill(victim["pid"], signal.SIGCONT)
+    assert_undisturbed(moved, undisturbed)
+    assert migrations(up, reason="stall", outcome="resumed") >= 1
+
+
+def test_a_drain_that_runs_out_of_time_moves_its_streams(trio):
+    """SIGTERM a worker whose drainSeconds is shorter than its streams: what is still running when the drain
+    ends moves to another worker (reason drain), every stream completes as if undisturbed, and the worker exits."""
+    up = trio
+    requests = bodies(8, sampled=2, prefix="Drain. ")
+    undisturbed = asyncio.run(run(up.url, requests))
+    victim = {}
+
+    def term() -> None:
+        victim.update(busier(up))
+        os.kill(victim["pid"], signal.SIGTERM)
+
+    moved = asyncio.run(run(up.url, requests, when_all_have=3, then=term))
+    assert_undisturbed(moved, undisturbed)
+    assert migrations(up, reason="drain", outcome="resumed") >= 1
+    deadline = time.monotonic() + 30
+    while _alive(victim["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(victim["pid"])  # it exited once its streams had moved
+
+
+def test_a_decode_worker_sigkilled_mid_stream_costs_no_stream(trio):
     """16 concurrent streams over 2 workers (12 greedy, 4 seeded at temperature 0.9); SIGKILL the busier
     worker once every stream has sent a few tokens: 16/16 complete, each equal to its undisturbed run."""
-    up = pair
+    up = trio
+    assert len(alive(up)) == 2
     requests = bodies(16, sampled=4)
     undisturbed = asyncio.run(run(up.url, requests))
     assert all(s.finish == "length" and not s.errors for s in undisturbed)
@@ -122,23 +183,18 @@ def test_a_decode_worker_sigkilled_mid_stream_costs_no_stream(pair):
     assert_undisturbed(moved, undisturbed)
     assert migrations(up, reason="worker_gone", outcome="resumed") >= 1
     assert migrations(up, outcome="limit") == migrations(up, outcome="no_worker") == 0
-    gap = scrape(up.url)
-    assert metric_sum(gap, "splitserve_router_migration_gap_seconds_count") >= 1
-    # the survivor served each moved stream as a continuation: its prompt, then the tokens already sent
-    survivor = next(i for i, c in enumerate(up.components["decode"]) if c["pid"] != victim["pid"])
-    assert metric_sum(up.metrics("decode", survivor), "splitserve_worker_requests_total", rpc="generate",
-                      status="ok") >= 16
+    assert metric_sum(scrape(up.url), "splitserve_router_migration_gap_seconds_count") >= 1
 
 
-def test_no_worker_left_ends_the_stream_with_finish_reason_error_and_usage(pair):
+def test_no_worker_left_ends_the_stream_with_finish_reason_error_and_usage(trio):
     """The one worker left is killed too: nothing can continue the streams, so each ends with
-    finish_reason error and its usage (not a bare error event); a non-streamed request gets a 5xx."""
-    up = pair
-    alive = [c for c in up.components["decode"] if _alive(c["pid"])]
-    assert len(alive) == 1, alive
+    finish_reason error and its usage (not a bare error event); a non-streamed request then gets a 503."""
+    up = trio
+    last = alive(up)
+    assert len(last) == 1, last
 
     def kill() -> None:
-        os.kill(alive[0]["pid"], signal.SIGKILL)
+        os.kill(last[0]["pid"], signal.SIGKILL)
 
     streams = asyncio.run(run(up.url, bodies(2, sampled=0, prefix="Again. "), when_all_have=2, then=kill))
     for s in streams:
@@ -160,28 +216,31 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_drain_that_runs_out_of_time_moves_its_streams(tmp_path):
-    """SIGTERM a worker whose drainSeconds is shorter than its streams: what is still running when the drain
-    ends moves to the other worker (reason drain), and every stream completes as if undisturbed."""
-    cfg = tmp_path / "cluster.yaml"
-    cfg.write_text("apiVersion: splitserve.dev/v1alpha1\nkind: SplitServeCluster\nmetadata: {name: drain}\n"
-                   "spec:\n  mode: colocated\n  decode: {replicas: 2, drainSeconds: 1}\n")
-    up = Up("-f", str(cfg))
+def test_with_the_kv_pool_the_survivor_loads_the_moved_streams_blocks():
+    """Over a KV pool: once the busier worker's prompts are in the pool, SIGKILL it; the survivor loads their
+    blocks instead of computing them, and every stream completes as the survivor alone then runs it."""
+    up = Up("--mode", "colocated", "--decode", "2", "--kv-pool", "--routing", "least_loaded")
     try:
-        requests = bodies(8, sampled=2, prefix="Drain. ")
-        undisturbed = asyncio.run(run(up.url, requests))
+        rng = random.Random(5)
+        prompts = [[rng.randrange(1000, 30000) for _ in range(320)] for _ in range(4)]  # 20 blocks each
+        requests = [{"model": "smollm2", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+                     "stream": True, "stream_options": {"include_usage": True}} for p in prompts]
         victim = {}
 
-        def term() -> None:
+        def kill() -> None:
             victim.update(busier(up))
-            os.kill(victim["pid"], signal.SIGTERM)
+            i = up.components["decode"].index(victim)
+            deadline = time.monotonic() + 300  # a bound, not a speed goal: the pool writes behind, between steps
+            while metric_sum(up.metrics("decode", i), "splitserve_kv_pool_blocks_written_total") < 40:
+                assert time.monotonic() < deadline, "the pool writer did not write the victim's prompts"
+                time.sleep(0.1)
+            os.kill(victim["pid"], signal.SIGKILL)
 
-        moved = asyncio.run(run(up.url, requests, when_all_have=3, then=term))
+        moved = asyncio.run(run(up.url, requests, when_all_have=2, then=kill))
+        survivor = next(i for i, c in enumerate(up.components["decode"]) if c["pid"] != victim["pid"])
+        assert metric_sum(up.metrics("decode", survivor), "splitserve_kv_pool_hit_tokens_total") >= 320
+        undisturbed = asyncio.run(run(up.url, requests))
         assert_undisturbed(moved, undisturbed)
-        assert migrations(up, reason="drain", outcome="resumed") >= 1
-        deadline = time.monotonic() + 30
-        while _alive(victim["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(victim["pid"])  # it exited once its streams had moved
+        assert migrations(up, reason="worker_gone", outcome="resumed") >= 1
     finally:
         up.stop()
