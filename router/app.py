@@ -86,7 +86,8 @@ def cluster_for(spec: ClusterSpec) -> tuple[Membership, ClusterState | None]:
     """Membership (and, with Redis, the shared cluster state: registry, KV index, peers' load) per the config."""
     url = spec.redis.resolved_url()
     if url:
-        cluster = ClusterState(RedisLink(url), spec.model.served_name, snapshot_s=spec.redis.snapshot_seconds)
+        cluster = ClusterState(RedisLink(url), spec.model.served_name, snapshot_s=spec.redis.snapshot_seconds,
+                               lease_s=spec.redis.lease_seconds)
         return cluster.membership, cluster
     decode_role = "both" if spec.mode == "colocated" else "decode"
     return StaticMembership(spec.membership.prefill, spec.membership.decode, decode_role), None

@@ -49,11 +49,11 @@ REBUILDS = Counter("splitserve_router_index_rebuilds", "Times the index was rebu
 
 class ClusterState:
     def __init__(self, link: RedisLink, model: str, router_id: str | None = None, snapshot_s: float = 30.0,
-                 history_s: float = 120.0, load_s: float = 0.1) -> None:
+                 history_s: float = 120.0, load_s: float = 0.1, lease_s: float = 5.0) -> None:
         self.link = link
         self.keys = Keys(model)
         self.router_id = router_id or f"gw-{uuid.uuid4().hex[:12]}"
-        self.membership = RedisMembership(link, self.keys)
+        self.membership = RedisMembership(link, self.keys, grace_s=lease_s)
         self.index = KVIndex()
         self.last_id = "0-0"
         self.fresh = False

@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,9 +112,10 @@ def test_each_replica_counts_the_others_requests_in_flight(replicas):
 
 
 def test_a_replica_killed_mid_run_leaves_the_other_serving(replicas):
+    """SIGKILL gateway A with streams in flight on it: their clients retry on B and succeed, B serves on, and
+    the load A had reported for them leaves B's view once A's report expires."""
     up = replicas
     a, b = up.components["routers"]
-    before = counters(up)
 
     async def run() -> list[int]:
         async with httpx.AsyncClient(timeout=300) as c:
@@ -121,14 +123,34 @@ def test_a_replica_killed_mid_run_leaves_the_other_serving(replicas):
                 r = await c.post(url + "/v1/completions", json={"model": "smollm2", "prompt": prompt(i),
                                                               "max_tokens": 2})
                 return r.status_code
+
+            async def retried(i):  # a client of A: A dies under it, it retries on B
+                body = {"model": "smollm2", "prompt": prompt(i), "max_tokens": 64, "ignore_eos": True}
+                try:
+                    r = await c.post(a["url"] + "/v1/completions", json=body)
+                    return r.status_code
+                except httpx.TransportError:
+                    r = await c.post(b["url"] + "/v1/completions", json=body)
+                    return -r.status_code
+
+            on_a = [asyncio.ensure_future(retried(i)) for i in range(30, 34)]
             first = await asyncio.gather(*(one(i, b["url"]) for i in range(20, 24)))
+            deadline = time.monotonic() + 60
+            while sum(w["peer_outstanding"] for w in health(b["url"])["workers"]) < 4:
+                assert time.monotonic() < deadline, "B never saw A's streams"
+                await asyncio.sleep(0.1)
             os.kill(a["pid"], signal.SIGKILL)
             rest = await asyncio.gather(*(one(i, b["url"]) for i in range(24, 30)))
-            return first + rest
+            return first + rest + list(await asyncio.gather(*on_a))
 
     statuses = asyncio.run(run())
-    assert statuses == [200] * 10
-    assert hit_rate(up, before) >= 0.8
+    assert statuses == [200] * 10 + [-200] * 4  # A's four clients all retried on B
+    before = counters(up)
+    for i in range(40, 44):
+        assert complete(b["url"], prompt(i)).status_code == 200
+    assert hit_rate(up, before) >= 0.8  # B still routes by the shared index
+    wait_until(lambda: not any(w["peer_outstanding"] for w in health(b["url"])["workers"]),
+               what="A's load to leave B's view")
 
 
 def test_a_killed_worker_leaves_and_its_restart_carries_no_stale_entries(tmp_path):
@@ -171,7 +193,9 @@ def test_a_killed_worker_leaves_and_its_restart_carries_no_stale_entries(tmp_pat
         up.stop()
 
 
-def test_redis_gone_and_back(tmp_path):
+def test_redis_killed_under_load_and_restarted(tmp_path):
+    """Four clients send requests without pause while Redis is SIGKILLed and later restarted empty on the same
+    port: not one request fails (load-only routing meanwhile), and the index rebuilds from the workers."""
     redis = RedisServer()
     up = Up("--mode", "colocated", "--decode", "2", "--routing", "kv_aware", "--redis-url", redis.url)
     try:
@@ -179,17 +203,38 @@ def test_redis_gone_and_back(tmp_path):
         for i in range(3):
             assert complete(url, prompt(i)).status_code == 200
         wait_until(lambda: health(url)["index"]["blocks"] > 0, what="events to reach the index")
-        redis.stop()
-        for i in range(3, 9):  # load-only routing: every request still succeeds
-            assert complete(url, prompt(i)).status_code == 200
-        m = gateway_metrics(url)
-        assert metric_sum(m, "splitserve_router_degraded") == 1
-        assert metric_sum(m, "splitserve_router_decisions_total", reason="degraded") >= 1
-        redis.start()  # the same port, empty
-        wait_until(lambda: health(url)["index"]["usable"] and health(url)["index"]["blocks"] > 0, timeout=60,
-                   what="the index to repopulate")
+        stop = threading.Event()
+        statuses: list[int] = []
+
+        def client(k: int) -> None:
+            i = 100 * k
+            while not stop.is_set():
+                r = complete(url, prompt(i))
+                statuses.append(r.status_code)
+                i += 1
+
+        clients = [threading.Thread(target=client, args=(k,)) for k in range(1, 5)]
+        for t in clients:
+            t.start()
+        try:
+            wait_until(lambda: len(statuses) >= 4, timeout=120, what="load")
+            redis.stop()  # SIGKILL
+            n = len(statuses)
+            wait_until(lambda: len(statuses) >= n + 6, timeout=120, what="requests while Redis is gone")
+            m = gateway_metrics(url)
+            assert metric_sum(m, "splitserve_router_degraded") == 1
+            assert metric_sum(m, "splitserve_router_decisions_total", reason="degraded") >= 1
+            redis.start()  # the same port, empty
+            wait_until(lambda: health(url)["index"]["usable"] and health(url)["index"]["blocks"] > 0, timeout=60,
+                       what="the index to repopulate")
+            n = len(statuses)
+            wait_until(lambda: len(statuses) >= n + 4, timeout=120, what="requests after the restart")
+        finally:
+            stop.set()
+            for t in clients:
+                t.join(300)
+        assert statuses and set(statuses) == {200}, statuses
         assert metric_sum(gateway_metrics(url), "splitserve_router_degraded") == 0
-        assert complete(url, prompt(10)).status_code == 200
     finally:
         up.stop()
         redis.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -93,11 +94,16 @@ class Registration:
 class RedisMembership:
     """The live workers of one model, from the registry; implements `Membership`."""
 
-    def __init__(self, link: RedisLink, keys: Keys, poll_s: float = 0.5) -> None:
+    def __init__(self, link: RedisLink, keys: Keys, poll_s: float = 0.5, grace_s: float = 5.0) -> None:
         self.link = link
         self.keys = keys
         self.poll_s = poll_s
+        # A serving worker whose entry vanished without its lease running out (Redis restarted empty, or was
+        # flushed) stays in the view this long while it registers again, so requests do not fail meanwhile.
+        # A worker that leaves on purpose drains first (its entry says so); one that died runs out of lease.
+        self.grace_s = grace_s
         self._view: dict[str, RegistryEntry] = {}
+        self._vanished: dict[str, float] = {}  # name -> when its entry was first missing
         self._callbacks: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
 
@@ -139,12 +145,27 @@ class RedisMembership:
         if expired:  # their leases ran out: whoever reads first clears them
             await self.link.call(lambda r: drop_leases(r, self.keys.workers, [self.keys.worker(n) for n in expired],
                                                        expired))
+        self._keep_vanished(view, set(expired))
         changed = _key(view) != _key(self._view)
         self._view = view
         if changed:
             for cb in self._callbacks:
                 cb()
         return True
+
+    def _keep_vanished(self, view: dict[str, RegistryEntry], expired: set[str]) -> None:
+        now = time.monotonic()
+        read = set(view)
+        for name in [n for n in self._vanished if n in read or n in expired]:
+            del self._vanished[name]  # back, or its lease ran out after all
+        for name, entry in self._view.items():
+            if name in read or name in expired or entry.draining:
+                continue
+            since = self._vanished.setdefault(name, now)
+            if now - since < self.grace_s:
+                view[name] = entry
+            else:
+                del self._vanished[name]
 
     async def start(self) -> None:
         await self.refresh()
