@@ -291,7 +291,8 @@ class HTTPApi:
         cluster = self.gw.cluster
         indexed = cluster.index.blocks_per_worker() if cluster is not None else {}
         workers = [{"name": w.info.name, "instance_id": w.info.instance_id, "endpoint": w.endpoint,
-                    "role": w.info.role, "engine": w.engine or None, "state": w.state, "healthy": w.load.healthy, "draining": w.load.draining,
+                    "role": w.info.role, "engine": w.engine or None, "capabilities": sorted(w.capabilities),
+                    "state": w.state, "healthy": w.load.healthy, "draining": w.load.draining,
                     "outstanding": w.load.outstanding, "peer_outstanding": w.load.peer_outstanding,
                     "indexed_blocks": indexed.get((w.info.name, w.info.instance_id), 0)}
                    for w in self.gw.workers.workers]

@@ -101,3 +101,16 @@ def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in rest for k, v in labels.items()):
             total += value
     return total
+
+
+def vllm_server_of(worker_pid: int) -> tuple[int, list[str]]:
+    """The vLLM server a worker (engine vllm) started: (its pid, its command line)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            args = (proc / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == worker_pid and "vllm.entrypoints.openai.api_server" in args:
+            return int(proc.name), args
+    raise AssertionError(f"worker {worker_pid} has no vLLM server")

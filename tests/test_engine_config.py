@@ -149,8 +149,11 @@ def test_what_the_engine_reads_off_vllm():
 
     body = request_body("m", "r1", [1, 2], SamplingParams(max_tokens=4, temperature=0.0, stop=["x"]), 0, True)
     assert body["prompt"] == [1, 2] and body["return_token_ids"] and "stop" not in body  # the gateway stops
-    with pytest.raises(ValueError, match="output_offset"):
-        request_body("m", "r1", [1], SamplingParams(output_offset=3), 0, True)
+    # a moved request: greedy continues as it was; a seeded one gets a seed of its own per resume position
+    resumed = request_body("m", "r1", [1, 7, 8], SamplingParams(seed=5, temperature=0.8, output_offset=2), 0, True)
+    again = request_body("m", "r1", [1, 7, 8], SamplingParams(seed=5, temperature=0.8, output_offset=2), 0, True)
+    assert resumed["seed"] == again["seed"] != 5 and 0 <= resumed["seed"] < 1 << 63
+    assert request_body("m", "r1", [1], SamplingParams(seed=5), 0, True)["seed"] == 5
 
 
 def test_the_nixl_pacing_plugin_is_inert_unless_asked():

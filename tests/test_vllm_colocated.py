@@ -6,12 +6,14 @@ that prefix to it (vLLM itself reports the prefix cache hit)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.request
 
 import httpx
 import pytest
-from serving import Up
+from serving import Up, metric_sum, scrape, vllm_server_of
 
 PREFIX = ("You are a careful assistant for a railway company. Answer questions about timetables, tickets, "
           "refunds, bicycles on trains, seat reservations, delays and connections in short, polite sentences. "
@@ -40,6 +42,7 @@ def complete(up: Up, prompt: str) -> dict:
 def test_both_workers_are_vllm_and_healthy(colo):
     h = health(colo)
     assert [w["engine"] for w in h["workers"]] == ["vllm", "vllm"]
+    assert all(w["capabilities"] == ["resume"] for w in h["workers"]), h["workers"]
     assert h["all_healthy"] and h["policy"] == "kv_aware"
 
 
@@ -59,3 +62,41 @@ def test_kv_aware_routes_a_shared_prefix_to_the_worker_holding_it(colo):
         assert cached >= 4 * 32, r["usage"]  # vLLM found the prefix in its cache: it ran where the blocks are
     held = {w["name"]: w["indexed_blocks"] for w in health(colo)["workers"]}
     assert sorted(held.values())[0] == 0, held  # nothing of it went to the other worker
+
+
+def stream_text(up: Up, body: dict, then=None) -> tuple[str, str | None]:
+    """A streamed completion's text and finish_reason; `then()` runs once after its fourth text chunk."""
+    text, finish, chunks = "", None, 0
+    with httpx.stream("POST", up.url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+                chunks += bool(choice["text"])
+            if chunks == 4 and then is not None:
+                then()
+    return text, finish
+
+
+def test_a_stream_whose_vllm_server_dies_moves_to_the_other_worker(colo):
+    """SIGKILL the vLLM server under a greedy stream (last: it takes a worker away): the sidecar marks the
+    failure retryable, the gateway moves the stream to the other worker, which continues after the tokens
+    already sent, and the client's text is the undisturbed one."""
+    body = {"model": "smollm2", "prompt": "The history of the railway in three sentences:", "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True}
+    undisturbed = stream_text(colo, body)
+
+    def kill() -> None:
+        busy = max(health(colo)["workers"], key=lambda w: w["outstanding"])
+        worker = next(c for c in colo.components["decode"] if c["grpc"] == busy["endpoint"])
+        os.killpg(vllm_server_of(worker["pid"])[0], signal.SIGKILL)  # the server and its engine processes
+
+    moved = stream_text(colo, body, then=kill)
+    assert moved == undisturbed and moved[1] == "length"
+    m = scrape(colo.url)
+    assert metric_sum(m, "splitserve_router_migrations_total", outcome="resumed") >= 1, m

@@ -15,11 +15,10 @@ import os
 import signal
 import time
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
-from serving import Up, metric_sum
+from serving import Up, metric_sum, vllm_server_of
 
 # over 64 tokens each (with the chat template), so both take the remote path at --disagg-threshold 64
 QUESTIONS = [
@@ -52,19 +51,6 @@ def ask(up: Up, q: str, n: int = 16) -> str:
 def health(up: Up) -> dict:
     with urllib.request.urlopen(up.url + "/health", timeout=10) as r:
         return json.loads(r.read())
-
-
-def vllm_server_of(worker_pid: int) -> tuple[int, list[str]]:
-    """The vLLM server a worker started: (its pid, its command line)."""
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            args = (proc / "cmdline").read_bytes().decode().split("\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == worker_pid and "vllm.entrypoints.openai.api_server" in args:
-            return int(proc.name), args
-    raise AssertionError(f"worker {worker_pid} has no vLLM server")
 
 
 def test_health_names_the_engine_of_every_worker(pd):

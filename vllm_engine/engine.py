@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -89,18 +90,25 @@ def parse_load(text: str) -> _Load:
     return load
 
 
+def resumed_seed(seed: int, offset: int) -> int:
+    """vLLM's seed for a request resumed at output position `offset` (vLLM's generator cannot skip ahead)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=8).digest(), "big") >> 1
+
+
 def request_body(model: str, request_id: str, prompt: Sequence[int], p: SamplingParams, priority: int,
                  stream: bool) -> dict[str, Any]:
-    """A /v1/completions body: token ids in, token ids out, no text-level stops (the gateway applies those)."""
-    if p.output_offset:
-        raise ValueError("output_offset: engine vllm does not resume a request at an output position")
+    """A /v1/completions body: token ids in, token ids out, no text-level stops (the gateway applies those).
+
+    A moved request (output_offset > 0: its prompt already ends with the output it produced elsewhere) continues
+    greedily exactly; a seeded sampled one draws from vLLM's own generator, seeded from (seed, output_offset), so
+    its continuation is repeatable but not the one an undisturbed run would have sampled."""
     body: dict[str, Any] = {
         "model": model, "prompt": list(prompt), "max_tokens": p.max_tokens, "temperature": p.temperature,
         "top_p": p.top_p, "top_k": p.top_k or -1, "min_tokens": p.min_tokens, "ignore_eos": p.ignore_eos,
         "stop_token_ids": list(p.stop_token_ids), "return_token_ids": True, "request_id": request_id,
         "skip_special_tokens": False, "stream": stream}
     if p.seed is not None:
-        body["seed"] = p.seed
+        body["seed"] = p.seed if not p.output_offset else resumed_seed(p.seed, p.output_offset)
     if priority:
         body["priority"] = priority
     if p.logprobs is not None:
