@@ -20,7 +20,7 @@ class Bounds:
     ratio_min: float | None = None  # prefill / decode at least this
     ratio_max: float | None = None  # prefill / decode at most this
     gpu_budget: int | None = None  # GPUs for all workers together
-    gpus_per_replica: int = 1  # tensorParallelSize
+    gpus_per_replica: int = 1  # tensorParallelSize x a decode worker's dataParallelSize
     disaggregated: bool = True  # colocated clusters have no prefill pool
 
     @classmethod
@@ -29,7 +29,7 @@ class Bounds:
         return cls(prefill_min=spec.prefill.min_replicas, prefill_max=spec.prefill.max_replicas,
                    decode_min=max(1, spec.decode.min_replicas), decode_max=spec.decode.max_replicas,
                    ratio_min=spec.ratio.min, ratio_max=spec.ratio.max, gpu_budget=spec.autoscaling.gpu_budget,
-                   gpus_per_replica=spec.model.tensor_parallel_size, disaggregated=spec.mode == "disaggregated")
+                   gpus_per_replica=spec.gpus_per_worker("decode"), disaggregated=spec.mode == "disaggregated")
 
     def feasible(self, p: int, d: int) -> bool:
         return (self.prefill_min <= p <= self.prefill_max and self.decode_min <= d <= self.decode_max

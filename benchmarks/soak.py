@@ -137,19 +137,25 @@ class Cluster:
             raise RuntimeError("splitserve up did not start")
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
         self.extra: list[subprocess.Popen] = []
+        self.killed: set[int] = set()
 
     def workers(self) -> list[dict]:
         return http_json(self.url + "/health")["workers"]
 
     def replace_busiest(self, n: int) -> str:
-        """SIGKILL the worker with the most requests in flight; start a new one under a new name."""
+        """SIGKILL the worker with the most requests in flight; start a new one under a new name. The last of
+        the workers `up` started is never the one (`up` stops the cluster once all of them are gone)."""
         workers = self.workers()
+        own = {c["grpc"] for c in self.components["decode"] if c["pid"] not in self.killed}
+        if len(own) == 1:
+            workers = [w for w in workers if w["endpoint"] not in own]
         victim = max(workers, key=lambda w: w["outstanding"])
         pid = next((c["pid"] for c in self.components["decode"] if c["grpc"] == victim["endpoint"]), None)
         if pid is None:
             pid = next(p.pid for p in self.extra if f"127.0.0.1:{p.args[p.args.index('--port') + 1]}" ==
                        victim["endpoint"])
         os.kill(pid, signal.SIGKILL)
+        self.killed.add(pid)
         port, mport = free_port(), free_port()
         self.extra.append(subprocess.Popen(
             [str(BIN / "splitserve"), "worker", "--config", self.components["config"], "--role", "both", "--name",

@@ -68,7 +68,7 @@ def cpus(resources: dict[str, dict[str, int | str]]) -> float:
 def deployment_options(resource: ClusterResource) -> dict[str, dict[str, Any]]:
     """Serve options per deployment: replicas (or, with autoscaling.mode slo, the bounds the law moves them
     in, with Serve's own delays at zero), CPUs from each role's `resources.requests.cpu`, GPUs from
-    tensorParallelSize (none on `device: cpu`), and shutdown grace from drainSeconds."""
+    tensorParallelSize x each role's dataParallelSize (none on `device: cpu`), and shutdown grace from drainSeconds."""
     spec = resource.spec
     out: dict[str, dict[str, Any]] = {}
     if spec.redis.resolved_url() is None:
@@ -77,9 +77,9 @@ def deployment_options(resource: ClusterResource) -> dict[str, dict[str, Any]]:
     out[GATEWAY] = {"num_replicas": r.replicas, "max_ongoing_requests": r.max_inflight + r.max_queue,
                     "graceful_shutdown_timeout_s": spec.decode.drain_seconds,
                     "ray_actor_options": {"num_cpus": cpus(r.resources)}}
-    gpus = 0 if spec.model.device == "cpu" else spec.model.tensor_parallel_size
     for pool in pools(spec):
         role = spec.role(pool)
+        gpus = 0 if spec.model.device == "cpu" else spec.gpus_per_worker(pool)
         options: dict[str, Any] = {
             "ray_actor_options": {"num_cpus": cpus(role.resources), "num_gpus": gpus},
             "graceful_shutdown_timeout_s": role.drain_seconds + 10.0,  # the worker's own drain, then its exit

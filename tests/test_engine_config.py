@@ -60,6 +60,8 @@ def test_what_vllm_cannot_honour_is_one_line_naming_the_flag(args, message):
     ({"engine": "vllm", "decode": {"engine": {"vllmArgs": ["--kv-transfer-config={}"]}}},
      "--kv-transfer-config is set by splitserve"),
     ({"vllm": {"args": ["--ok", "bad\narg"]}}, "not a plain argument"),
+    ({"decode": {"engine": {"dataParallelSize": 2}}}, "decode.engine.dataParallelSize: engine native runs one engine"),
+    ({"engine": "vllm", "vllm": {"args": ["--data-parallel-size=2"]}}, "--data-parallel-size is set by splitserve"),
 ])
 def test_a_file_vllm_cannot_honour_is_one_line_naming_the_field(tmp_path, spec, message):
     path = tmp_path / "c.yaml"
@@ -171,3 +173,14 @@ def test_the_nixl_pacing_plugin_is_inert_unless_asked():
     assert out.returncode == 0 and out.stdout.strip() == "1000", out.stderr[-2000:]
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr[-2000:]
+
+
+def test_data_parallel_ranks_reach_vllm_and_count_as_gpus():
+    spec = cluster(engine="vllm", mode="colocated", model={"device": "cuda", "tensorParallelSize": 2,
+                                                           "expertParallel": True},
+                   decode={"engine": {"dataParallelSize": 4}}).spec
+    cmd = command(spec, "both", "/models/m", PORTS)
+    flags = dict(zip(cmd, cmd[1:], strict=False))
+    assert flags["--tensor-parallel-size"] == "2" and flags["--data-parallel-size"] == "4"
+    assert "--enable-expert-parallel" in cmd and spec.gpus_per_worker("both") == 8
+    assert "--data-parallel-size" not in command(cluster(engine="vllm").spec, "decode", "/m", PORTS)

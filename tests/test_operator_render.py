@@ -94,11 +94,22 @@ def test_bounds_no_pair_can_meet_are_unrealisable(spec, reason, words):
     ({"redis": {"mode": "external"}}, "RedisURLMissing"),
     ({"model": {"tensorParallelSize": 2}}, "ShardedDisaggregationUnsupported"),
     ({"mode": "colocated", "model": {"tensorParallelSize": 2}, "decode": {"resources": GPU}}, "GPUCountMismatch"),
+    ({"engine": "vllm", "mode": "colocated", "decode": {"engine": {"dataParallelSize": 2}, "resources": GPU}},
+     "GPUCountMismatch"),
 ])
 def test_valid_but_unrealisable_specs(spec, reason):
     with pytest.raises(Unrealisable) as e:
         check(resource(spec))
     assert e.value.reason == reason
+
+
+def test_engine_vllm_disaggregates_sharded_workers_and_counts_data_parallel_gpus():
+    """vLLM's NIXL pull joins prefill and decode of any tensor-parallel size; its pods ask for TP x DP GPUs."""
+    two = {"limits": {"nvidia.com/gpu": 2}}
+    check(resource({"engine": "vllm", "model": {"tensorParallelSize": 2, "device": "cuda"},
+                    "prefill": {"resources": two}, "decode": {"resources": two}}))
+    check(resource({"engine": "vllm", "mode": "colocated", "model": {"device": "cuda"},
+                    "decode": {"engine": {"dataParallelSize": 2}, "resources": two}}))
 
 
 def test_a_name_services_cannot_carry_is_unrealisable():

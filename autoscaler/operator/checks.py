@@ -33,14 +33,16 @@ def check(resource: ClusterResource) -> None:
     if redis.mode == "external" and not redis.url and redis.url_secret is None:
         raise Unrealisable("RedisURLMissing", "redis.mode is external but neither redis.url nor redis.urlSecret is set")
     tp = spec.model.tensor_parallel_size
-    if spec.mode == "disaggregated" and tp > 1:
+    if spec.mode == "disaggregated" and tp > 1 and spec.engine_of("decode") == "native":
         raise Unrealisable("ShardedDisaggregationUnsupported",
                            f"model.tensorParallelSize {tp} needs mode: colocated (streaming KV between sharded prefill "
                            "and decode workers is not supported yet)")
     roles = [("decode", spec.decode)] + ([("prefill", spec.prefill)] if spec.mode == "disaggregated" else [])
     for role_name, role in roles:
-        gpus = gpus_per_pod(role)
-        if gpus is not None and gpus != tp:
+        gpus, want = gpus_per_pod(role), spec.gpus_per_worker(role_name)
+        if gpus is not None and gpus != want:
+            dp = role.engine.data_parallel_size
             raise Unrealisable("GPUCountMismatch",
-                               f"{role_name}.resources: {GPU} is {gpus} but model.tensorParallelSize is {tp} "
-                               "(each pod runs one process per GPU)")
+                               f"{role_name}.resources: {GPU} is {gpus} but model.tensorParallelSize is {tp}"
+                               + (f" and {role_name}.engine.dataParallelSize {dp}" if dp > 1 else "")
+                               + f": {want} (each pod runs one process per GPU)")

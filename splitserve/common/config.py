@@ -98,7 +98,8 @@ EngineKind = Literal["native", "vllm"]
 # vLLM flags splitserve sets itself from the model (`vllm_engine.server.command`): in `vllmArgs` they are refused.
 VLLM_OWNED_FLAGS = frozenset({
     "--model", "--served-model-name", "--tokenizer", "--host", "--port", "--dtype", "--max-model-len",
-    "--block-size", "--tensor-parallel-size", "-tp", "--enable-expert-parallel", "--enforce-eager",
+    "--block-size", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp", "--enable-expert-parallel",
+    "--enforce-eager",
     "--load-format", "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching",
     "--no-enable-prefix-caching", "--scheduling-policy", "--seed", "--kv-transfer-config", "--kv-events-config",
     "--kv-cache-memory-bytes", "--kv-cache-memory", "--api-key",
@@ -139,6 +140,10 @@ class EngineSpec(Spec):
     """CPU threads for the model's math (0: the library's default)."""
     seed: int = 0
     """Seed of requests sampled without their own seed."""
+    data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    """engine vllm: data-parallel ranks in each worker's vLLM server, each with model.tensorParallelSize GPUs
+    (MoE with model.expertParallel: attention data-parallel, experts spread over every GPU). Native: 1 (more
+    engines are more replicas)."""
 
     @field_validator("vllm_args")
     @classmethod
@@ -516,6 +521,10 @@ class ClusterSpec(Spec):
             raise ValueError(f"prefill.engine.kind: prefill workers run {kinds['prefill']} and decode workers "
                              f"{kinds['decode']}; a KV handover is the engine's own, so both roles need one engine")
         roles = ("prefill", "decode") if self.mode == "disaggregated" else ("decode",)
+        for r in roles:
+            if kinds[r] == "native" and self.role(r).engine.data_parallel_size > 1:
+                raise ValueError(f"{r}.engine.dataParallelSize: engine native runs one engine per worker; add "
+                                 f"replicas instead (or use engine vllm)")
         if not any(kinds[r] == "vllm" for r in roles):
             return
         if self.kv_pool.enabled:
@@ -535,6 +544,10 @@ class ClusterSpec(Spec):
             if self.role(r).engine.threads:
                 raise ValueError(f"{r}.engine.threads: engine vllm picks its own CPU threads (VLLM_CPU_OMP_THREADS_BIND "
                                  f"in the worker's environment); leave threads at 0")
+
+    def gpus_per_worker(self, name: str) -> int:
+        """GPUs one worker of role `name` uses: tensor-parallel size times its data-parallel ranks."""
+        return self.model.tensor_parallel_size * self.role(name).engine.data_parallel_size
 
     def engine_of(self, name: str) -> EngineKind:
         """The engine a worker of role `name` (prefill, decode or both) runs."""
