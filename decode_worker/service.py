@@ -235,4 +235,5 @@ def _to_pb(out: RequestOutput, remote: bool, resumed: int = 0) -> pb.GenerateRes
         prompt_tokens=prompt_tokens,
         cached_tokens=min(out.num_cached_tokens + out.num_loaded_tokens, prompt_tokens),
         completion_tokens=out.num_output_tokens + resumed, error=out.error or "", remote_prefill=remote,
+        retry="engine" if out.retryable and out.finish_reason == "error" else "",
     )

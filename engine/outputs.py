@@ -20,3 +20,4 @@ class RequestOutput:
     num_loaded_tokens: int = 0  # prompt tokens loaded from the KV pool
     num_output_tokens: int = 0
     error: str | None = None
+    retryable: bool = False  # with finish_reason error: the engine, not the request, failed (another worker may go on)

@@ -241,7 +241,7 @@ class Gateway:
                 if resp.retry:
                     raise _Moved(resp.retry, resp.error or f"finish_reason {resp.finish_reason}")
                 raise _Fatal(f"generation failed: {resp.error}" if resp.error else "the request was aborted by the worker")
-            if not run.produced and not run.moves:
+            if not run.moves:  # a worker that continues a moved request counts its own context, not the prompt's
                 run.cached = max(run.cached, min(resp.cached_tokens, run.num_prompt))
             finish = resp.finish_reason if resp.finished else None
             if resp.token_ids:

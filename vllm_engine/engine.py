@@ -455,7 +455,13 @@ class VllmEngine:
                 yield RequestOutput(rid, [], finished=True, finish_reason="abort", num_prompt_tokens=len(prompt),
                                     num_output_tokens=n_out)
             else:
-                yield failed(self._dead_reason or f"vLLM: {type(e).__name__}: {e}")
+                code = self.server.exited if self.server is not None else None
+                if code is not None:  # noticed here first: the stream broke because the server is gone
+                    self._die(f"the vLLM server exited with code {code}")
+                out = failed(self._dead_reason or f"vLLM: {type(e).__name__}: {e}")
+                # the connection to the server broke, not the request: another worker may continue it
+                out.retryable = isinstance(e, httpx.TransportError | httpx.StreamError)
+                yield out
         finally:
             self._prefill_pending.pop(rid, None)
             self._responses.pop(rid, None)
