@@ -77,6 +77,8 @@ def run_engine(engine: str, args, model: Path, logs: Path) -> dict:
     res: dict = {}
     for mode, workers in (("colocated", [("both", [0], extra)]),
                           ("disaggregated", [("prefill", [0], extra), ("decode", [0], extra)])):
+        if mode not in args.modes.split(","):
+            continue
         key = f"{engine}_{mode}"
         t0 = time.monotonic()
         try:
@@ -93,7 +95,8 @@ def run_engine(engine: str, args, model: Path, logs: Path) -> dict:
                     if vllm_url:
                         after = nixl_counters(vllm_url)
                         entry["vllm_nixl"] = {k: round(after[k] - before.get(k, 0.0), 6) for k in after}
-                    entry["load"] = poisson(c.url, args)
+                    if args.requests:
+                        entry["load"] = poisson(c.url, args)
                 res[mode] = entry
         except (RuntimeError, TimeoutError) as e:
             res[mode] = {"error": str(e)[-1500:]}
@@ -125,6 +128,8 @@ def table(out: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="vllm,native")
+    ap.add_argument("--modes", default="colocated,disaggregated",
+                    help="which of colocated,disaggregated to run (the P/D tail needs both)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--max-model-len", type=int, default=8192)
@@ -138,7 +143,7 @@ def main() -> None:
     ap.add_argument("--handover-len", type=int, default=3072)
     ap.add_argument("--handover-output", type=int, default=32)
     ap.add_argument("--handover-requests", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=64, help="Poisson load requests in 1P+1D (0: no load run)")
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--output-len", type=int, default=128)

@@ -213,7 +213,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fds_warm = {name: open_fds(pid) for name, pid in long_lived.items()}
         kills: list[dict[str, Any]] = []
         next_kill = time.monotonic() + args.kill_every
+        timeline: dict[str, list[tuple[float, float]]] = {name: [] for name in long_lived}  # (s, RSS MB)
+        next_sample = time.monotonic()
         while time.monotonic() - t0 < args.duration:
+            if time.monotonic() >= next_sample:
+                for name, pid in long_lived.items():
+                    rss = rss_bytes(pid)
+                    if rss is not None and name in rss_warm:
+                        timeline[name].append((round(time.monotonic() - t0, 1), round(rss / 2**20, 1)))
+                next_sample += 30.0
             if time.monotonic() >= next_kill:
                 victim = cluster.replace_busiest(len(kills))
                 kills.append({"at_s": round(time.monotonic() - t0, 1), "worker": victim})
@@ -238,7 +246,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 processes[name] = {"rss_warm_mb": round(rss_warm[name] / 2**20, 1),
                                    "rss_end_mb": round(rss_end[name] / 2**20, 1),
                                    "rss_growth_pct": round(100 * (rss_end[name] / rss_warm[name] - 1), 2),
-                                   "fds_warm": fds_warm.get(name), "fds_end": fds_end.get(name)}
+                                   "fds_warm": fds_warm.get(name), "fds_end": fds_end.get(name),
+                                   "rss_timeline_mb": timeline[name]}
+                half = [mb for s, mb in timeline[name] if s >= (args.warmup + args.duration) / 2]
+                if half:  # still growing in the second half (a leak), or levelled off (warm-up of the allocator)?
+                    processes[name]["rss_growth_second_half_pct"] = round(
+                        100 * (rss_end[name] / 2**20 / half[0] - 1), 2)
         return {"duration_s": round(time.monotonic() - t0, 1), **tally.counts, "lost_examples": tally.lost,
                 "kills": kills, "moves": moves(cluster.url), "processes": processes, "held_blocks_idle": held,
                 # Redis holds the KV pool: it grows with the pool's data up to kvPool.maxMemory, so it is no leak
@@ -252,11 +265,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(r: dict[str, Any]) -> str:
     rows = [f"{r['sent']} requests in {r['duration_s']} s: {r['completed']} completed, {r['cancelled']} cancelled by "
             f"their clients, **{r['lost']} lost**; {len(r['kills'])} workers SIGKILLed and replaced",
-            "", "| process | RSS after warm-up (MB) | RSS at end (MB) | growth | open fds warm / end |",
-            "| --- | --- | --- | --- | --- |"]
+            "", "| process | RSS after warm-up (MB) | RSS at end (MB) | growth | growth in the second half | "
+            "open fds warm / end |", "| --- | --- | --- | --- | --- | --- |"]
     for name, p in r["processes"].items():
+        second = p.get("rss_growth_second_half_pct")
         rows.append(f"| {name} | {p['rss_warm_mb']} | {p['rss_end_mb']} | {p['rss_growth_pct']:+.2f}% | "
-                    f"{p['fds_warm']} / {p['fds_end']} |")
+                    f"{'-' if second is None else f'{second:+.2f}%'} | {p['fds_warm']} / {p['fds_end']} |")
     rows += ["", f"moves: {r['moves']}", f"KV blocks held once idle: {r['held_blocks_idle']}"]
     return "\n".join(rows)
 
