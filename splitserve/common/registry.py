@@ -98,12 +98,14 @@ class RedisMembership:
         self.link = link
         self.keys = keys
         self.poll_s = poll_s
-        # A serving worker whose entry vanished without its lease running out (Redis restarted empty, or was
-        # flushed) stays in the view this long while it registers again, so requests do not fail meanwhile.
-        # A worker that leaves on purpose drains first (its entry says so); one that died runs out of lease.
+        # When Redis comes back empty (restarted, or flushed: the whole registry gone at once), the serving
+        # workers of the last view stay in it this long while they register again, so requests do not fail
+        # meanwhile. Otherwise an entry that goes goes at once (its worker left, or its lease ran out).
         self.grace_s = grace_s
         self._view: dict[str, RegistryEntry] = {}
-        self._vanished: dict[str, float] = {}  # name -> when its entry was first missing
+        self._vanished: dict[str, float] = {}  # name -> when its entry was first missing, in a reset
+        self._reset_at = float("-inf")  # when the link last came back (Redis may have restarted empty)
+        link.on_up(self._link_up)
         self._callbacks: list[Callable[[], None]] = []
         self._task: asyncio.Task | None = None
 
@@ -153,17 +155,21 @@ class RedisMembership:
                 cb()
         return True
 
+    async def _link_up(self) -> None:
+        self._reset_at = time.monotonic()
+
     def _keep_vanished(self, view: dict[str, RegistryEntry], expired: set[str]) -> None:
         now = time.monotonic()
         read = set(view)
         for name in [n for n in self._vanished if n in read or n in expired]:
             del self._vanished[name]  # back, or its lease ran out after all
-        for name, entry in self._view.items():
-            if name in read or name in expired or entry.draining:
-                continue
+        gone = [n for n, e in self._view.items() if n not in read and n not in expired and not e.draining]
+        if gone and not read and not expired:  # the whole registry at once: Redis was flushed or replaced
+            self._reset_at = max(self._reset_at, now)
+        for name in gone:
             since = self._vanished.setdefault(name, now)
-            if now - since < self.grace_s:
-                view[name] = entry
+            if now - self._reset_at < self.grace_s and now - since < self.grace_s:
+                view[name] = self._view[name]
             else:
                 del self._vanished[name]
 
