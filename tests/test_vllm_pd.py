@@ -62,7 +62,7 @@ def test_health_names_the_engine_of_every_worker(pd):
 def test_streams_and_prefills_remotely_over_nixl(pd):
     before = metric_sum(pd.metrics("decode"), "splitserve_remote_prefill_total", outcome="ok")
     stream = client(pd).chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=16, temperature=0,
+        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=8, temperature=0,
         stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -79,13 +79,13 @@ def test_greedy_text_is_the_same_prefilled_remotely_and_locally(pd):
     worker (a new gateway-side threshold cannot be set per request, so the local run is the decode worker's
     own vLLM server asked directly, the same weights and settings)."""
     before = metric_sum(pd.metrics("decode"), "splitserve_remote_prefill_total", outcome="ok")
-    remote = ask(pd, QUESTIONS[1], 24)
+    remote = ask(pd, QUESTIONS[1], 12)
     assert metric_sum(pd.metrics("decode"), "splitserve_remote_prefill_total", outcome="ok") == before + 1
     _, args = vllm_server_of(pd.components["decode"][0]["pid"])
     vllm_url = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
     local = openai.OpenAI(base_url=vllm_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     r = local.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTIONS[1]}],
-                                      max_tokens=24, temperature=0)
+                                      max_tokens=12, temperature=0)
     assert remote == r.choices[0].message.content
 
 
