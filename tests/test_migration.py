@@ -188,7 +188,7 @@ def test_a_decode_worker_sigkilled_mid_stream_costs_no_stream(trio):
 
 def test_no_worker_left_ends_the_stream_with_finish_reason_error_and_usage(trio):
     """The one worker left is killed too: nothing can continue the streams, so each ends with
-    finish_reason error and its usage (not a bare error event); a non-streamed request then gets a 503."""
+    finish_reason error and its usage (not a bare error event)."""
     up = trio
     last = alive(up)
     assert len(last) == 1, last
@@ -201,10 +201,8 @@ def test_no_worker_left_ends_the_stream_with_finish_reason_error_and_usage(trio)
         assert s.status == 200 and not s.errors, s
         assert s.finish == "error", s
         assert s.usage is not None and 2 <= s.usage["completion_tokens"] < MAX_TOKENS, s
-    assert migrations(up, outcome="no_worker") >= 1
-    r = httpx.post(up.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
-                   timeout=60)
-    assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers", r.text
+    # (`up` stops the whole cluster once its last decode worker is gone, so nothing more is asked of the gateway
+    # here; test_gateway_migration.py counts the no_worker outcome)
 
 
 def _alive(pid: int) -> bool:
