@@ -24,11 +24,23 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 import torch
-from prometheus_client import Counter, Gauge
 
 from splitserve.common.config import ClusterSpec, KVPoolSpec
 from splitserve.common.hashing import hash_token_blocks
 from splitserve.common.kv_events import BlockStored, KVCacheEvent
+from splitserve.common.pool_metrics import (
+    BLOCKS_SKIPPED,
+    BLOCKS_WRITTEN,
+    BYTES_READ,
+    BYTES_WRITTEN,
+    ERROR_REASONS,
+    ERRORS,
+    HIT_TOKENS,
+    LOOKUP_TOKENS,
+    POOL_BYTES,
+    READ_SECONDS,
+    WRITE_SECONDS,
+)
 from splitserve.common.redis_link import RedisLink
 from splitserve.common.redis_wire import ChecksumError, Keys, KVEventRecord, PoolNamespace, WireError
 from splitserve.common.sampling import SamplingParams
@@ -39,22 +51,6 @@ from splitserve.engine.interface import KVEventListener, ModelFacts
 from splitserve.engine.outputs import RequestOutput
 
 log = logging.getLogger("splitserve.kv_pool")
-
-HIT_TOKENS = Counter("splitserve_kv_pool_hit_tokens", "Prompt tokens loaded from the KV pool instead of computed")
-LOOKUP_TOKENS = Counter("splitserve_kv_pool_lookup_tokens",
-                        "Prompt tokens looked up in the KV pool (beyond the worker's own cache)")
-BYTES_WRITTEN = Counter("splitserve_kv_pool_bytes_written", "Bytes of KV blocks written to the pool")
-BYTES_READ = Counter("splitserve_kv_pool_bytes_read", "Bytes of KV blocks read from the pool")
-# bandwidth = bytes / seconds (benchmarks/kv_pool.py)
-READ_SECONDS = Counter("splitserve_kv_pool_read_seconds",
-                       "Seconds spent reading KV blocks from the pool (pipelined GETs, header and checksum checks)")
-WRITE_SECONDS = Counter("splitserve_kv_pool_write_seconds",
-                        "Seconds spent storing KV blocks in the pool (pipelined SETs and their pool-tier event)")
-BLOCKS_WRITTEN = Counter("splitserve_kv_pool_blocks_written", "KV blocks written to the pool")
-BLOCKS_SKIPPED = Counter("splitserve_kv_pool_blocks_skipped", "KV blocks not written: already in the pool")
-ERRORS = Counter("splitserve_kv_pool_errors", "KV pool reads or writes that failed, by reason", ["reason"])
-POOL_BYTES = Gauge("splitserve_kv_pool_redis_bytes", "Memory the pool's Redis reports in use (bytes)")
-ERROR_REASONS = ("missing", "checksum", "header", "timeout", "redis", "dropped")
 
 
 class KVPool:

@@ -39,7 +39,6 @@ def cluster(**spec) -> ClusterResource:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["up", "--engine", "vllm", "--kv-pool", "--dry-run"], "--kv-pool: the KV pool works with engine native only"),
     (["worker", "--engine", "vllm", "--device", "cpu", "--block-size", "16"],
      "--block-size: vLLM on CPU needs 32-token KV blocks"),
     (["up", "--engine", "nope", "--dry-run"], "--engine"),
@@ -56,6 +55,8 @@ def test_what_vllm_cannot_honour_is_one_line_naming_the_flag(args, message):
     ({"engine": "vllm", "model": {"device": "cpu"}, "prefill": {"engine": {"kind": "native"}}},
      "prefill.engine.kind: prefill workers run native and decode workers vllm"),
     ({"engine": "vllm", "decode": {"engine": {"threads": 2}}}, "decode.engine.threads: engine vllm"),
+    ({"engine": "vllm", "kvPool": {"enabled": True}, "model": {"tensorParallelSize": 2}},
+     "model.tensorParallelSize: the KV pool stores unsharded blocks only"),
     ({"engine": "vllm", "vllm": {"args": ["--port", "9"]}}, "--port is set by splitserve"),
     ({"engine": "vllm", "decode": {"engine": {"vllmArgs": ["--kv-transfer-config={}"]}}},
      "--kv-transfer-config is set by splitserve"),

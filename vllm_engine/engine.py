@@ -199,7 +199,7 @@ class VllmEngine:
     """The engine a vLLM worker's roles use (see the module's docstring)."""
 
     def __init__(self, spec: ClusterSpec, base_url: str, events_endpoint: str, facts: ModelFacts,
-                 server: VllmServer | None = None, events: Any = None) -> None:
+                 server: VllmServer | None = None, events: Any = None, pool_worker: str | None = None) -> None:
         self.spec = spec
         self.base_url = base_url
         self.events_endpoint = events_endpoint
@@ -218,6 +218,7 @@ class VllmEngine:
         self._tasks: list[asyncio.Task] = []
         self._client: httpx.AsyncClient | None = None
         self._zmq: Any = events  # the bound SUB socket (`events_socket`), or None: bound at start
+        self.pool_worker = pool_worker  # the name its server's KV pool connector writes events and stats under
 
     # -- lifetime ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -226,6 +227,13 @@ class VllmEngine:
         self._client = httpx.AsyncClient(base_url=self.base_url, limits=limits,
                                          timeout=httpx.Timeout(10.0, read=None))
         self._tasks = [asyncio.ensure_future(self._watch()), asyncio.ensure_future(self._events())]
+        url = self.spec.redis.resolved_url()
+        if self.pool_worker is not None and url:  # the pool connector's counters, on this worker's /metrics
+            from splitserve.common.redis_link import RedisLink
+            from splitserve.vllm_engine.pool_stats import PoolStatsMirror
+
+            mirror = PoolStatsMirror(RedisLink(url), self.model, self.pool_worker)
+            self._tasks.append(asyncio.ensure_future(mirror.run()))
 
     @property
     def dead(self) -> bool:
@@ -481,7 +489,9 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
                  stop: asyncio.Event | None = None) -> VllmEngine:
     """Start this worker's vLLM server (or attach to the one beside it at `attach_url`), wait until it is
     healthy, and return the engine over it, started."""
+    import socket
     import threading
+    import uuid
 
     from splitserve.common.model_files import resolve_model
     from splitserve.common.proc import free_port
@@ -490,14 +500,19 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
     model_dir = resolve_model(spec.model.name, need_weights=spec.model.load_format != "dummy")
     server = None
     events = None
+    pool_worker = None
     if attach_url is None:
         ports = VllmPorts(free_port(), free_port(), free_port())
         url = f"http://127.0.0.1:{ports.http}"
         events = events_socket(f"tcp://127.0.0.1:{ports.events}")
-        server = VllmServer(command(spec, role, str(model_dir), ports), environment(spec, role, ports,
-                            side_channel_host), url, spec.vllm.startup_seconds)
+        # the pool connector's name: unique per server on this host (a server rendered for a pod names itself)
+        identity = (f"{socket.gethostname()}-{ports.http}.vllm-pool", uuid.uuid4().hex[:16])
+        pool_worker = identity[0] if spec.kv_pool.enabled else None
+        server = VllmServer(command(spec, role, str(model_dir), ports, pool_identity=identity),
+                            environment(spec, role, ports, side_channel_host), url, spec.vllm.startup_seconds)
         server.start()
     else:
+        pool_worker = f"{socket.gethostname()}.vllm-pool" if spec.kv_pool.enabled else None
         ports = VllmPorts(0, spec.vllm.events_port, spec.vllm.side_channel_port)
         url = attach_url.rstrip("/")
         events = events_socket(f"tcp://127.0.0.1:{ports.events}")
@@ -526,7 +541,7 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
         raise ValueError("the vLLM server did not report its max_model_len")
     facts = model_facts(spec, model_dir, max_len, parse_load(metrics).num_kv_blocks)
     engine = VllmEngine(spec, url, f"tcp://127.0.0.1:{ports.events}", facts,
-                        server if attach_url is None else None, events)
+                        server if attach_url is None else None, events, pool_worker)
     await engine.start()
     log.info("vLLM serving %s at %s (%d KV blocks of %d tokens)", facts.name, url, facts.num_kv_blocks,
              facts.block_size)

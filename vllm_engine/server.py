@@ -24,6 +24,8 @@ from typing import IO
 
 from splitserve.common.config import ClusterSpec, parse_memory
 from splitserve.common.proc import dying_with_me
+from splitserve.vllm_engine.pool_plan import EXTRA_KEY as POOL_EXTRA_KEY
+from splitserve.vllm_engine.pool_plan import REDIS_URL_ENV
 from splitserve.vllm_engine.vllm_plugin import ENV as PROGRESS_DELAY_ENV
 
 log = logging.getLogger("splitserve.vllm")
@@ -58,10 +60,11 @@ def _kv_size(text: str) -> int | float:
     return float(text) if isinstance(value, int) and value <= 1 else value
 
 
-def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: str = sys.executable) -> list[str]:
+def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: str = sys.executable,
+            pool_identity: tuple[str, str] | None = None) -> list[str]:
     """The vLLM server's command line for a worker of `role` (prefill, decode or both). `model`: the model
     directory as the server sees it. Its KV event publisher connects to the worker's loopback port (vLLM binds
-    only wildcard endpoints; the worker binds this one)."""
+    only wildcard endpoints; the worker binds this one). `pool_identity`: see `pool_extra_config`."""
     m, e = spec.model, spec.role(role).engine
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", m.served_name, "--host", "127.0.0.1", "--port", str(ports.http),
@@ -91,12 +94,43 @@ def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: 
     cmd += ["--kv-events-config", json.dumps({
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ports.events}",
         "topic": EVENTS_TOPIC})]
-    if disaggregated(spec, role):
-        cmd += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "NixlConnector", "kv_role": "kv_both",
-            "kv_buffer_device": "cpu" if is_cpu(spec) else "cuda",
-            "kv_load_failure_policy": "recompute"})]
+    transfer = kv_transfer_config(spec, role, pool_identity)
+    if transfer is not None:
+        cmd += ["--kv-transfer-config", json.dumps(transfer)]
     return cmd + list(spec.vllm.args) + list(spec.role(role).engine.vllm_args)
+
+
+def kv_transfer_config(spec: ClusterSpec, role: str, pool_identity: tuple[str, str] | None = None) -> dict | None:
+    """vLLM's KV connectors for the role: the NixlConnector (disaggregated roles), our KV pool connector
+    (`kvPool.enabled`), or both in a MultiConnector (NIXL first: a remote prefill's pull wins). A load that
+    fails is recomputed by vLLM, never an error."""
+    connectors = []
+    if disaggregated(spec, role):
+        connectors.append({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                           "kv_buffer_device": "cpu" if is_cpu(spec) else "cuda"})
+    if spec.kv_pool.enabled:
+        connectors.append({"kv_connector": "SplitservePoolConnector", "kv_role": "kv_both",
+                           "kv_connector_module_path": "splitserve.vllm_engine.pool_connector",
+                           "kv_connector_extra_config": pool_extra_config(spec, role, pool_identity)})
+    if not connectors:
+        return None
+    if len(connectors) == 1:
+        return {**connectors[0], "kv_load_failure_policy": "recompute"}
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": connectors}}
+
+
+def pool_extra_config(spec: ClusterSpec, role: str, identity: tuple[str, str] | None) -> dict:
+    """The pool connector's settings (`pool_plan.PoolSettings`). `identity`: the worker's (name, instance id)
+    for its pool events and stats; None where the server is rendered before the worker exists (a pod: the
+    connector then names itself after its host)."""
+    p = spec.kv_pool
+    settings = {"model": spec.model.served_name, "write": ("decode" if role == "both" else role) in p.write_from,
+                "min_load_tokens": p.min_load_tokens, "read_timeout_seconds": p.read_timeout_seconds,
+                "write_queue_blocks": p.write_queue_blocks, "ttl_seconds": p.ttl_seconds}
+    if identity is not None:
+        settings["worker"], settings["instance_id"] = identity
+    return {POOL_EXTRA_KEY: settings}
 
 
 def environment(spec: ClusterSpec, role: str, ports: VllmPorts, side_channel_host: str) -> dict[str, str]:
@@ -111,6 +145,9 @@ def environment(spec: ClusterSpec, role: str, ports: VllmPorts, side_channel_hos
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(size / (1 << 30))))
     elif spec.model.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = spec.model.device.split(":", 1)[1]
+    url = spec.redis.resolved_url()
+    if spec.kv_pool.enabled and url and REDIS_URL_ENV not in os.environ:  # the pool connector's Redis
+        env[REDIS_URL_ENV] = url
     if disaggregated(spec, role):
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = side_channel_host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel)

@@ -527,9 +527,10 @@ class ClusterSpec(Spec):
                                  f"replicas instead (or use engine vllm)")
         if not any(kinds[r] == "vllm" for r in roles):
             return
-        if self.kv_pool.enabled:
-            raise ValueError("kvPool.enabled: the KV pool works with engine native only (vLLM keeps its KV in its "
-                             "own cache; docs/engines.md); set kvPool.enabled false or engine native")
+        if self.kv_pool.enabled and self.model.tensor_parallel_size > 1:
+            raise ValueError(f"model.tensorParallelSize: the KV pool stores unsharded blocks only (got "
+                             f"{self.model.tensor_parallel_size} with kvPool.enabled and engine vllm); set "
+                             f"kvPool.enabled false or tensorParallelSize 1")
         if self.model.load_format == "dummy" and self.model.tokenizer:
             raise ValueError("model.tokenizer: engine vllm loads the tokenizer from the model directory; a "
                              "separate tokenizer with dummy weights is native only")

@@ -56,6 +56,11 @@ class Keys:
     def session(self, key: str) -> str:
         return f"{self._prefix}:session:{key}"
 
+    def pool_stats(self, worker: str) -> str:
+        """A vLLM worker's KV pool counters (hash: field -> total), written by its connector inside vLLM and
+        mirrored on the worker's /metrics. No TTL: eviction never takes it."""
+        return f"{self._prefix}:pool-stats:{worker}"
+
 
 def check_name(name: str, what: str = "name") -> str:
     if not isinstance(name, str) or not _NAME.match(name):
@@ -251,8 +256,11 @@ class PoolNamespace:
     head_dim: int
     tp_rank: int = 0
     tp_size: int = 1
+    layout: str = ""  # "": the native engine's payload; "vllm-<device>": vLLM's per-layer block bytes
 
     def __post_init__(self) -> None:
+        if self.layout and not re.fullmatch(r"[a-z0-9-]{1,32}", self.layout):
+            raise ValueError(f"KV pool: layout tag {self.layout!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"KV pool: unsupported dtype {self.dtype}")
         if not self.model or any(c in self.model for c in "{}\n "):
@@ -261,7 +269,8 @@ class PoolNamespace:
     @property
     def prefix(self) -> str:
         return (f"ss:pool:v{VERSION}:{self.model}:{self.dtype}:b{self.block_size}:"
-                f"l{self.num_layers}h{self.num_kv_heads}d{self.head_dim}:tp{self.tp_rank}-{self.tp_size}:")
+                f"l{self.num_layers}h{self.num_kv_heads}d{self.head_dim}:tp{self.tp_rank}-{self.tp_size}:"
+                + (f"{self.layout}:" if self.layout else ""))
 
     def key(self, block_hash: int) -> str:
         return f"{self.prefix}{block_hash:016x}"
