@@ -176,7 +176,7 @@ class SplitservePoolConnector(KVConnectorBase_V1):
         if raws is None:
             self.stats.add("errors_redis")
         else:
-            for raw in raws:
+            for key, raw in zip(keys, raws, strict=True):
                 reason = None
                 try:
                     if raw is None:
@@ -189,6 +189,8 @@ class SplitservePoolConnector(KVConnectorBase_V1):
                     reason = "errors_header"
                 if reason is not None:
                     self.stats.add(reason)
+                    if raw is not None:  # a bad block goes, so that the next worker computing it stores it again
+                        self._redis.call(lambda r, k=key: r.delete(k))
                     break
         n = len(payloads)
         if n:
