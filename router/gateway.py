@@ -168,6 +168,7 @@ class Gateway:
             charge = Charge(decode, prefill, blocks, blocks - decision.cached_tokens // bs)
             stream = worker.client.generate(call)
             failed: _Moved | None = None
+            fatal: str | None = None  # the worker failed the request for good: another would likely do the same
             try:
                 async for piece in self._pieces(stream, run, rs.stall_seconds):
                     if piece.token_ids:
@@ -184,24 +185,22 @@ class Gateway:
                 if e.kind in ("unavailable", "cancelled", "closed"):
                     self.workers.mark_down(worker, e.details)
                     failed = _Moved("worker_gone", e.details)
-                else:  # the worker answered with an error: another worker would likely answer the same
-                    if not run.produced:
-                        raise APIError(503 if e.kind == "unavailable" else 500, f"decode worker failed: {e.details}",
-                                       code="worker_error") from None
-                    log.warning("request %s failed on %s after %d tokens: %s", rid, worker.endpoint, n, e.details)
-                    yield run.error_end(f"decode worker failed: {e.details}")
-                    return
+                else:
+                    fatal = f"decode worker failed: {e.details}"
             except _Moved as e:
                 failed = e
             except _Fatal as e:
-                if not run.produced:
-                    raise APIError(500, str(e), code="worker_error") from None
-                log.warning("request %s failed on %s after %d tokens: %s", rid, worker.endpoint, n, e)
-                yield run.error_end(str(e))
-                return
+                fatal = str(e)
             finally:
                 stream.cancel()
                 charge.release()
+            if fatal is not None:
+                if not run.produced:
+                    raise APIError(500, fatal, code="worker_error")
+                log.warning("request %s failed on %s after %d tokens: %s", rid, worker.endpoint, n, fatal)
+                yield run.error_end(fatal)
+                return
+            assert failed is not None  # the loop above returns at its finish
             if moving is not None:  # the worker it moved to failed as well
                 moving.end("failed")
             moving = _Moving(failed.reason, run.last_token_at)

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +19,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("ray.serve")
+from procs import LOOPBACK, Announcing, cmdline, descendants, listeners, reap  # noqa: E402
 from serving import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,59 +27,6 @@ COOLDOWN_S = 20.0  # --scale-up-cooldown
 # Ray 2.60 starts each Serve replica's inter-deployment gRPC server on [::]:0 (ray/serve/_private/replica.py,
 # hard-coded): the one listener not on loopback, and not ours to move.
 RAY_REPLICA_GRPC = "ray::ServeReplica"
-
-
-def descendants(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        out.add(p)
-        for task in Path(f"/proc/{p}/task").glob("*") if Path(f"/proc/{p}").exists() else []:
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def listeners(pids: set[int]) -> list[tuple[int, str, str]]:
-    """(pid, address hex, command) of every TCP listening socket the processes hold, from /proc/net/tcp{,6}."""
-    owner: dict[str, int] = {}
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                try:
-                    link = os.readlink(fd)
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    owner[link[8:-1]] = pid
-        except OSError:
-            continue
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "0A" and f[9] in owner:
-                out.append((owner[f[9]], f[1].split(":")[0], cmdline(owner[f[9]])))
-    return out
-
-
-LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
 
 
 def health(url: str) -> dict:
@@ -100,24 +46,11 @@ def test_serve_ray_end_to_end() -> None:
            "--scale-up-cooldown", str(COOLDOWN_S), "--slo-itl", "0.1", "--max-prefill", "1", "--max-decode", "2"]
     # Ray kills workers past 95% of the host's memory, others' processes included: not on a shared test box
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_memory_monitor_refresh_ms="0")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # our SIGTERM goes to serve-ray alone
-    stderr: list[str] = []
-    lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
-    threading.Thread(target=lambda: ([lines.put(x) for x in proc.stdout], lines.put(None)), daemon=True).start()
+    serve_ray = Announcing(cmd, env)
+    proc = serve_ray.proc
     seen: set[int] = set()
     try:
-        deadline = time.monotonic() + 240
-        ready = ""
-        while time.monotonic() < deadline and not ready:
-            try:
-                line = lines.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            assert line is not None, "serve-ray exited:\n" + "".join(stderr[-30:])
-            ready = line if "splitserve ready" in line else ""
-        assert ready, "serve-ray not ready:\n" + "".join(stderr[-30:])
+        serve_ray.wait_for("splitserve ready", 240)
         seen |= descendants(proc.pid)
 
         # every socket on loopback (but Ray's own replica gRPC servers)
@@ -178,12 +111,7 @@ def test_serve_ray_end_to_end() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             code = None
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(alive(p) for p in seen):
-            time.sleep(0.5)
-        left = [(p, cmdline(p)) for p in seen if alive(p)]
-        for p, _ in left:  # ours: leave nothing behind for the next test
-            os.kill(p, signal.SIGKILL)
-    assert code == 0, "".join(stderr[-30:])
-    assert "Traceback" not in "".join(stderr), "".join(stderr)
+        left = reap(seen)
+    assert code == 0, serve_ray.tail()
+    assert "Traceback" not in "".join(serve_ray.stderr), "".join(serve_ray.stderr)
     assert not left, left
