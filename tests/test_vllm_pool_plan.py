@@ -168,3 +168,15 @@ def test_the_worker_mirrors_the_connectors_counters_from_the_first_reading_on():
     delta.add("hit_tokens", 32)
     delta.add("hit_tokens", 32)
     assert delta.take() == {"hit_tokens": 64} and delta.take() == {}
+
+
+def test_a_pods_vllm_server_gets_the_pools_redis_from_the_secret_and_names_itself():
+    from test_operator_render import VLLM, containers, flag, objects
+
+    objs = objects({**VLLM, "kvPool": {"enabled": True},
+                    "redis": {"mode": "external", "urlSecret": {"name": "r", "key": "url"}}})
+    server = containers(objs, "decode")["vllm"]
+    assert {"name": "SPLITSERVE_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "r", "key": "url"}}} in server["env"]
+    connectors = json.loads(flag(server["command"], "--kv-transfer-config"))["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in connectors] == ["NixlConnector", "SplitservePoolConnector"]
+    assert "worker" not in connectors[1]["kv_connector_extra_config"]["splitserve_pool"]  # named after the pod

@@ -41,7 +41,7 @@ class PoolSettings:
     write: bool  # this role writes the blocks it computes (kvPool.writeFrom)
     min_load_tokens: int = 64
     read_timeout_seconds: float = 5.0
-    lookup_timeout_seconds: float = 0.05  # the scheduler's EXISTS: it runs inside vLLM's scheduling loop
+    lookup_timeout_seconds: float = 0.2  # the scheduler's EXISTS: it runs inside vLLM's scheduling loop
     write_queue_blocks: int = 4096
     ttl_seconds: int = 86400
 

@@ -265,6 +265,9 @@ def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
     for key, value in environment(cluster, role, ports, side_channel_host=_POD_IP).items():
         # the NIXL handshake address the other servers dial: this pod's IP
         env.append(_field_env(key, "status.podIP") if value == _POD_IP else {"name": key, "value": value})
+    secret = cluster.redis.url_secret
+    if cluster.kv_pool.enabled and cluster.redis.mode == "external" and secret is not None:  # the pool connector's
+        env.append(_secret_env("SPLITSERVE_REDIS_URL", secret.name, secret.key))
     volumes = [{"name": "vllm-tmp", "emptyDir": {}},
                {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size or VLLM_SHM_SIZE}}]
     mounts = [{"name": "vllm-tmp", "mountPath": names.TMP_DIR}, {"name": "shm", "mountPath": "/dev/shm"}]
