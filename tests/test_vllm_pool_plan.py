@@ -180,3 +180,17 @@ def test_a_pods_vllm_server_gets_the_pools_redis_from_the_secret_and_names_itsel
     connectors = json.loads(flag(server["command"], "--kv-transfer-config"))["kv_connector_extra_config"]["connectors"]
     assert [c["kv_connector"] for c in connectors] == ["NixlConnector", "SplitservePoolConnector"]
     assert "worker" not in connectors[1]["kv_connector_extra_config"]["splitserve_pool"]  # named after the pod
+
+
+def test_an_unreachable_redis_answers_the_default_at_once_and_is_left_alone_for_a_moment():
+    import time
+
+    from serving import free_port
+
+    from splitserve.vllm_engine.pool_plan import RedisHandle
+
+    handle = RedisHandle(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2, backoff_s=30)
+    assert handle.call(lambda r: r.ping(), "down") == "down" and handle.last_error == "redis"
+    t0 = time.monotonic()
+    assert handle.call(lambda r: r.ping(), "down") == "down" and time.monotonic() - t0 < 0.01  # not asked again
+    assert RedisHandle(None, 0.2).call(lambda r: r.ping(), "none") == "none"  # no URL: no pool

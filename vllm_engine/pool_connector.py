@@ -174,7 +174,7 @@ class SplitservePoolConnector(KVConnectorBase_V1):
         raws = self._redis.call(lambda r: pipelined(r, "get", keys))
         payloads: list[memoryview] = []
         if raws is None:
-            self.stats.add("errors_redis")
+            self.stats.add(f"errors_{self._redis.last_error}")  # not read in time, or Redis unreachable
         else:
             for key, raw in zip(keys, raws, strict=True):
                 reason = None

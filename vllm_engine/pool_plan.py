@@ -234,6 +234,7 @@ class RedisHandle:
         self._client = None
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self.last_error = "redis"  # why the last call that failed did: "timeout" or "redis" (a metric's reason)
 
     def call(self, fn: Callable[[Any], Any], default: Any = None) -> Any:
         """`fn(client)`, or `default` when Redis is unreachable (or was a moment ago)."""
@@ -245,7 +246,10 @@ class RedisHandle:
                     self._client = connect(self.url, self.timeout)
                 client = self._client
             return fn(client)
-        except redis_errors():
+        except redis_errors() as e:
+            from redis.exceptions import TimeoutError as RedisTimeout
+
+            self.last_error = "timeout" if isinstance(e, RedisTimeout | TimeoutError) else "redis"
             self._down_until = time.monotonic() + self.backoff_s
             with self._lock:
                 self._client = None
