@@ -1,7 +1,8 @@
 """The KV pool's counters of a vLLM worker, on the worker's /metrics: the pool connector runs inside vLLM's
 processes and adds its counts to a small Redis hash per server (`Keys.pool_stats`, flushed about once a
 second); the worker reads that hash and advances the same `splitserve_kv_pool_*` counters a native worker
-exposes. The first reading is the baseline (a hash left by an earlier server of this name counts nothing)."""
+exposes. The first reading is the baseline (a hash left by an earlier server of this name counts nothing); the
+worker deletes the hash when it stops."""
 
 from __future__ import annotations
 
@@ -65,5 +66,6 @@ class PoolStatsMirror:
                     if isinstance(info, dict) and "used_memory" in info:
                         m.POOL_BYTES.set(info["used_memory"])
                 await asyncio.sleep(POLL_S)
-        finally:
+        finally:  # the hash goes with its worker (a name is never reused: it would only pile up)
+            await self.link.call(lambda r: r.delete(self.key))
             await self.link.close()
