@@ -212,7 +212,8 @@ class Worker:
         host = _node_host()
         port, metrics_port = free_port(host), free_port(host)
         engine = spec.role(pool).engine
-        if not engine.threads and spec.model.device == "cpu":  # as `splitserve up` does: the cores shared out
+        native_cpu = spec.engine_of(pool) == "native" and spec.model.device == "cpu"
+        if not engine.threads and native_cpu:  # as `splitserve up` does: the cores shared out (vLLM picks its own)
             import ray
 
             assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
@@ -291,7 +292,11 @@ def run(resource: ClusterResource, host: str, address: str | None = None, num_cp
     name = resource.metadata.name
     base = f"http://{host}:{spec.router.port}"
     if address:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        try:  # what Ray raises when the cluster is unreachable or refuses our token (RAY_AUTH_MODE, RAY_AUTH_TOKEN)
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+            log.error("cannot join the Ray cluster at %s: %s", address, e)
+            return 1
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address=host, log_to_driver=False,
                  logging_level=logging.WARNING)
