@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import random
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import redis
+import yaml
 from redis_server import RedisServer
 from serving import Up, metric_sum, vllm_server_of
 
@@ -26,13 +28,13 @@ HASHES = hash_token_blocks(PROMPT[:288], BS, "smollm2")
 
 
 class Pooled:
-    def __init__(self) -> None:
+    def __init__(self, config: Path) -> None:
         self.redis = RedisServer()
         old = os.environ.get("VLLM_SERVER_DEV_MODE")
         os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's POST /reset_prefix_cache
         try:
-            self.up = Up("--engine", "vllm", "--mode", "colocated", "--decode", "1", "--kv-pool",
-                         "--redis-url", self.redis.url, timeout=900)
+            self.up = Up("-f", str(config), "--engine", "vllm", "--mode", "colocated", "--decode", "1",
+                         "--kv-pool", "--redis-url", self.redis.url, timeout=900)
         except BaseException:
             self.redis.close()
             raise
@@ -71,8 +73,12 @@ class Pooled:
 
 
 @pytest.fixture(scope="module")
-def pooled():
-    p = Pooled()
+def pooled(tmp_path_factory):
+    # float32: this CPU has no bfloat16 instructions, and vLLM computes bfloat16 several times slower here
+    config = tmp_path_factory.mktemp("pool") / "cluster.yaml"
+    config.write_text(yaml.safe_dump({"apiVersion": "splitserve.dev/v1alpha1", "kind": "SplitServeCluster",
+                                      "metadata": {"name": "vllm-pool"}, "spec": {"model": {"dtype": "float32"}}}))
+    p = Pooled(config)
     yield p
     p.close()
 
@@ -89,7 +95,7 @@ def first(pooled):
 def test_a_computed_prompt_is_stored_under_our_hashes_and_announced_to_the_gateways(pooled, first):
     keys = pooled.r.keys("ss:pool:*")
     assert {pool_hash_of_key(k) for k in keys} == set(HASHES)  # the router's hashes, in vLLM's namespace
-    assert all(b":b32:l30h3d64:tp0-1:vllm-cpu:" in k for k in keys)
+    assert all(b":float32:b32:l30h3d64:tp0-1:vllm-cpu:" in k for k in keys)
     records = [KVEventRecord.decode(f) for _, f in pooled.r.xrange(Keys("smollm2").events)]
     pool_hashes = [h for rec in records if rec.tier == "pool" for h in rec.hashes.tolist()]
     gpu_hashes = {h for rec in records if rec.tier == "gpu" and rec.kind == "stored" for h in rec.hashes.tolist()}
