@@ -82,6 +82,9 @@ class SplitservePoolConnector(KVConnectorBase_V1):
         self.settings = PoolSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             raise ValueError("the KV pool does not store tensor-parallel shards (tensorParallelSize > 1)")
+        if len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()) > 1:  # our hashes name one chain of blocks
+            raise ValueError("the KV pool stores models with one KV cache group only (no hybrid or sliding-window "
+                             "attention layers)")
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = getattr(kv_cache_config, "num_blocks", 0)
         self.ns = namespace(vllm_config, self.settings.model, 0)
