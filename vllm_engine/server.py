@@ -121,9 +121,9 @@ def kv_transfer_config(spec: ClusterSpec, role: str, pool_identity: tuple[str, s
 
 
 def pool_extra_config(spec: ClusterSpec, role: str, identity: tuple[str, str] | None) -> dict:
-    """The pool connector's settings (`pool_plan.PoolSettings`). `identity`: the worker's (name, instance id)
-    for its pool events and stats; None where the server is rendered before the worker exists (a pod: the
-    connector then names itself after its host)."""
+    """The pool connector's settings (`pool_plan.PoolSettings`). `identity`: the (name, instance id) its pool
+    events and stats carry, chosen by the worker that starts the server; None where the server is rendered
+    before its worker exists (a pod: the connector then names itself after its host)."""
     p = spec.kv_pool
     settings = {"model": spec.model.served_name, "write": ("decode" if role == "both" else role) in p.write_from,
                 "min_load_tokens": p.min_load_tokens, "read_timeout_seconds": p.read_timeout_seconds,
