@@ -7,7 +7,8 @@ Two loops per role, then the hard bounds:
   model load time ahead, at `target_utilization` of each replica's capacity at the SLO, plus `warm_replicas`;
 - the fast loop, every call, reacts to a burst (a prefill queue that takes longer than part of the TTFT
   objective to drain; decode requests waiting for KV or seats) and to SLO misses, attributed to the role
-  whose queue explains them; it sizes for the load now plus the backlog, skipping the planner's schedule;
+  whose queue explains them; it sizes for the load now plus the backlog at full utilisation, skipping the
+  planner's schedule (prefill's queue budget: what a long prompt's own prefill leaves of the TTFT objective);
 - burst memory: a burst's need is kept as the role's peak, halving every `burst_memory_s` (2x the scale-down
   cooldown); while it is above the plan the role keeps capacity for it at full utilisation (bursts shorter than a cold start can only be
   served by replicas already there);
@@ -32,7 +33,7 @@ from splitserve.autoscaler.bounds import Bounds, clamp
 from splitserve.autoscaler.law_state import ROLES, ControllerState, RoleState
 from splitserve.autoscaler.observations import Observation, Percentiles, RoleObservation
 from splitserve.autoscaler.planner import Needs, forecast, needs
-from splitserve.autoscaler.profile import KV_HEADROOM, ReplicaProfile, capacity_at_slo
+from splitserve.autoscaler.profile import KV_HEADROOM, TTFT_TAIL, ReplicaProfile, capacity_at_slo
 from splitserve.common.config import ClusterSpec
 
 __all__ = ["ROLES", "ControllerState", "LawConfig", "RoleDecision", "RoleState", "ScalingDecision", "decide"]
@@ -194,11 +195,12 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) ->
     current = ro.replicas
     base = current - c.warm_replicas  # replicas that carry the need; the warm ones wait for bursts
     target = _at(planned, u) + c.warm_replicas
-    # fast loop: a burst is sized on this window's load (not the smoothed one) plus the backlog
+    # fast loop: a burst is sized on this window's load (not the smoothed one) plus the backlog, at full
+    # utilisation (it is a transient: the plan's target keeps the queueing headroom for the lasting load)
     burst, why = _pressure(role, ro, obs, n, c)
     if burst:
-        target = max(target, _at(max(planned, need) + _backlog_need(role, ro, n, c), u) + c.warm_replicas,
-                     current + 1 if ro.replicas_starting == 0 else current)
+        target = max(target, _at(max(planned, need) + _backlog_need(role, ro, n, c), c.max_utilization)
+                     + c.warm_replicas, _burst_floor(role, ro, current))
     rs = _remember(rs, burst, now, max(planned, need) + _backlog_need(role, ro, n, c) if burst else 0.0, c)
     peak = _peak(rs, now, c)
     if peak > planned:  # bursts recur within the memory: keep their capacity, at full utilisation
@@ -216,7 +218,8 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) ->
         return plan(target, f"up {current}->{target}: " + (why or f"planned need {planned:.2f} replicas > "
                                                               f"{high:.2f} of {max(base, 0)}"))
     if burst:
-        return plan(current, f"hold {current}: {why}, replicas already starting")
+        return plan(current, f"hold {current}: {why}, " + ("replicas already starting" if ro.replicas_starting
+                                                            else f"which {current} replicas clear"))
     stable = max(v for _, v in recent)
     if (stable < current and planned < low * base and _calm(role, ro, c)
             and now - rs.last_change >= _base_hold(role, c)):
@@ -224,6 +227,16 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) ->
                             f"for {rs.hold_s:g} s")
     util = planned / base if base > 0 else 0.0
     return plan(current, f"hold {current}: utilisation {util:.2f} (target {u:.2f})")
+
+
+def _burst_floor(role: str, ro: RoleObservation, current: int) -> int:
+    """The least a burst asks for. Decode: one replica more (an ITL miss or requests held for seats is load the
+    sizing may not see yet). Prefill: none beyond what the burst's load and backlog need: a queue those replicas
+    clear is a clump already draining, and a replica bought for it loads after it is gone (on the Azure traces
+    the +1 of every such window ratcheted prefill to twice the oracle's size)."""
+    if role == "decode" and ro.replicas_starting == 0:
+        return ro.replicas + 1
+    return current
 
 
 def _base_hold(role: str, c: LawConfig) -> float:
@@ -319,8 +332,17 @@ def _latencies(role: str, ro: RoleObservation, c: LawConfig) -> list[tuple[Perce
         out = [(ro.itl, c.itl_s, "ITL")]
         return out + [(ro.queue_wait, queue_budget, "decode admission wait")] if ro.queue_wait.count else out
     if ro.queue_wait.count:
-        return [(ro.queue_wait, queue_budget, "prefill queue wait")]
+        return [(ro.queue_wait, _prefill_queue_budget(ro, c), "prefill queue wait")]
     return [(ro.ttft, c.ttft_s, "TTFT")]
+
+
+def _prefill_queue_budget(ro: RoleObservation, c: LawConfig) -> float:
+    """s a prompt may wait for a prefill replica within the TTFT objective: what is left after a long prompt's
+    own prefill (TTFT_TAIL x the mean prompt's: the p90 of exponential lengths), at least `burst_queue_fraction`
+    of the objective. Half the objective for every trace made prefill's SLO loop run the Azure conversation
+    trace's pool (prefill 0.04 s per mean prompt) at 0.6 utilisation for a 1 s queue its prompts did not need."""
+    s_mean = c.profile.prefill_seconds(max(1, round(ro.mean_input_tokens))) + c.profile.kv_transfer_tail_s
+    return max(c.burst_queue_fraction * c.ttft_s, c.ttft_s - TTFT_TAIL * s_mean)
 
 
 def _measured_need(role: str, ro: RoleObservation, n: Needs, rs: RoleState, c: LawConfig) -> float:

@@ -192,8 +192,8 @@ def test_starting_replicas_are_counted_so_a_burst_is_not_answered_twice():
                  out_tok_s=1.0 * DECODE_TOK_S, queue_tokens=300_000, queued=300, ttft_p90=5.0) for i in range(3)]
     decisions = run(calm + burst, cfg, follow=False)
     first, second, third = decisions[-3:]
-    # 4.0 + the backlog (300k over 62 s of 9.9k/s ~ 0.5), at 0.8 lowered 7% for the queue wait -> 7
-    assert first.prefill.desired == 7
+    # 4.0 + the backlog (300k over 62 s of 9.9k/s ~ 0.5), at full utilisation (0.8 here) -> 6
+    assert first.prefill.desired == 6
     assert second.prefill.desired == 7 and third.prefill.desired == 7  # 2 ready + 5 starting: nothing more
 
 

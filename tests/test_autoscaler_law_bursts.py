@@ -1,13 +1,18 @@
 """The law's answers to bursts, on hand-made metric streams (the toy profile of test_autoscaler_law.py: a prefill
-replica computes ~9,900 prompt tokens/s): the burst memory that keeps capacity for bursts that recur, and regret only
-for a scale-down a cold start could not undo.
+replica computes ~9,900 prompt tokens/s): the burst memory that keeps capacity for bursts that recur, regret only
+for a scale-down a cold start could not undo, a clump the ready prefill replicas clear, and prefill's queue budget.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+import pytest
 from test_autoscaler_law import DECODE_TOK_S, PREFILL_TOK_S, config, obs, run, steady
+
+from splitserve.autoscaler.law import ControllerState, decide
+from splitserve.autoscaler.observations import Observation, Percentiles
 
 KW = dict(d=2, out_tok_s=1.0 * DECODE_TOK_S)
 
@@ -68,3 +73,36 @@ def test_burst_memory_follows_the_scale_down_cooldown_unless_set():
     long = run(stream, config(scale_down_cooldown_s=10.0, scale_up_cooldown_s=0.0, burst_memory_s=600.0))
     assert short[-1].prefill.desired == 2  # ceil(1 / 0.8): the 20 s half-life has run out
     assert long[-1].prefill.desired >= 6
+
+
+def test_a_clump_the_ready_prefill_replicas_clear_buys_nothing_but_an_itl_miss_buys_a_decode_replica():
+    """A prefill queue over the burst threshold whose load and backlog fit the ready replicas at full utilisation
+    is a clump already draining: prefill holds (a replica bought now would load after it is gone). An ITL miss
+    on decode, whose load fits its replicas too, still buys one decode replica."""
+    cfg = config(scale_up_cooldown_s=0.0)
+    calm = steady(0, 7, p=4, d=2, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S)
+    clump = obs(105, p=4, d=2, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S,
+                queue_tokens=60_000, queued=60, ttft_p90=1.5, itl_p90=0.25)
+    last = run(calm + [clump], cfg)[-1]
+    assert "queue" in last.prefill.reason and "clear" in last.prefill.reason and last.prefill.desired == 4, \
+        last.prefill.reason
+    assert last.decode.action == "up" and last.decode.desired == 3, last.decode.reason
+
+
+def test_prefill_queue_budget_is_what_a_long_prompt_s_prefill_leaves_of_the_ttft_objective():
+    """The toy profile prefills the mean 1000-token prompt in 0.101 s, so a prompt may queue 2 - 2.3 x 0.101 =
+    1.77 s: a queue-wait p90 of 1.5 s is inside it (prefill's utilisation target keeps rising), one of 1.9 s is
+    not (it falls 7%). Half the objective (1 s) would have counted both as misses."""
+    cfg = config(max_utilization=0.95)
+
+    def factor_after(wait_p90: float) -> float:
+        state = ControllerState()
+        for o in steady(0, 4, p=4, d=2, prefill_tok_s=2.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S):
+            waits = Percentiles(wait_p90 / 2, wait_p90, wait_p90, 100)
+            o = Observation(o.time, o.window_seconds, replace(o.prefill, queue_wait=waits), o.decode)
+            state = decide(o, state, cfg).state
+        return state.prefill.slo_factor
+
+    assert factor_after(1.5) == pytest.approx(1.0)  # p99 1.5 s is not under half the budget: neither way
+    assert factor_after(0.8) > 1.0  # the whole tail well inside: fuller
+    assert factor_after(1.9) < 1.0

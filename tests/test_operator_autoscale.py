@@ -109,10 +109,15 @@ def deployments(api: kmock.KubernetesEmulator) -> dict[str, int]:
     return {n: d["spec"]["replicas"] for n, d in live(api, DEPLOYMENTS).items()}
 
 
+QUEUE_TOKENS = 3_200_000
+
+
 def queue_on_prefill(sources: Sources) -> None:
-    """One ready prefill worker with a long queue (the registry's load report), one idle decode worker."""
+    """One ready prefill worker with a long queue (the registry's load report), one idle decode worker. The queue
+    takes the worker ~89 s to drain (the 8B H200 profile), longer than a cold start: a second replica helps it (a
+    queue the ready replicas clear before a new one loads is a clump, which buys nothing)."""
     register(sources.client, entry("llm-prefill-a", "prefill", 5001, "", num_waiting=40,
-                                   waiting_prefill_tokens=400_000, num_running=1))
+                                   waiting_prefill_tokens=QUEUE_TOKENS, num_running=1))
     register(sources.client, entry("llm-decode-a", "decode", 5002, ""))
 
 
@@ -135,7 +140,7 @@ async def test_slo_mode_applies_the_laws_decision_to_roles_deployments_and_statu
         status = live(api, CLUSTERS)["llm"]["status"]
         decision = status["lastDecision"]
         assert (decision["prefill"], decision["decode"]) == (2, 1)
-        assert decision["reason"].startswith("slo: prefill up 1->2: queue of 400000 tokens"), decision["reason"]
+        assert decision["reason"].startswith(f"slo: prefill up 1->2: queue of {QUEUE_TOKENS} tokens"), decision["reason"]
         assert decision["time"].endswith("Z")
         assert status["desiredReplicas"]["prefill"] == 2
         assert live(api, ROLES)["llm-prefill"]["spec"]["replicas"] == 2

@@ -11,7 +11,16 @@ import math
 
 import pytest
 from test_autoscaler_observer import entry, register
-from test_operator_autoscale import CLUSTER_PATH, SPEC, Operator, api, deployments, queue_on_prefill, sources  # noqa: F401
+from test_operator_autoscale import (  # noqa: F401
+    CLUSTER_PATH,
+    QUEUE_TOKENS,
+    SPEC,
+    Operator,
+    api,
+    deployments,
+    queue_on_prefill,
+    sources,
+)
 from test_operator_kmock import CLUSTERS, cluster_doc, eventually, live
 
 from splitserve.autoscaler.law_state import STATE_VERSION, ControllerState, RoleState
@@ -47,7 +56,7 @@ async def test_a_restarted_operator_continues_the_law_from_status(api, sources):
 
     # while no operator runs: the new replica is ready, the queue is still long (a burst on 2 replicas)
     register(sources.client, entry("llm-prefill-b", "prefill", 5003, "", num_waiting=40,
-                                   waiting_prefill_tokens=400_000, num_running=1))
+                                   waiting_prefill_tokens=QUEUE_TOKENS, num_running=1))
     restarted = SloReplicas(observers=sources.observer)
     async with Operator(str(api.url), restarted):
         await eventually(lambda: "scale-up cooldown" in live(api, CLUSTERS)["llm"]["status"]["lastDecision"]["reason"],
