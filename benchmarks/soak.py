@@ -122,10 +122,11 @@ def one_request(client: httpx.Client, url: str, rng: random.Random, tally: Tally
 
 
 class Cluster:
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, kv_pool: bool = True) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen([str(BIN / "splitserve"), "up", "--mode", "colocated", "--decode", str(workers),
-                                      "--routing", "kv_aware", "--kv-pool", "--port", str(self.port)],
+                                      "--routing", "kv_aware", *(["--kv-pool"] if kv_pool else []),
+                                      "--port", str(self.port)],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self.components: dict[str, Any] = {}
@@ -191,7 +192,7 @@ def moves(url: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    cluster = Cluster(args.workers)
+    cluster = Cluster(args.workers, kv_pool=not args.no_kv_pool)
     tally = Tally()
     stop = threading.Event()
     try:
@@ -283,6 +284,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-kv-pool", action="store_true", help="workers without the KV pool (a probe of where RSS goes)")
     p.add_argument("--save", metavar="NAME", help="write benchmarks/results/soak_NAME.json and .md")
     args = p.parse_args()
     result = run(args)

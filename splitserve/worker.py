@@ -64,6 +64,9 @@ ROLES: dict[str, RoleBuilder] = {"prefill": build_prefill, "decode": build_decod
 
 def load_engine(spec: ClusterSpec, role: str) -> ServingEngine:
     """Load the model with the role's engine settings (runs in a thread)."""
+    from splitserve.engine.host_memory import bound_host_memory
+
+    bound_host_memory()
     import torch
 
     from splitserve.engine.async_engine import AsyncEngine
