@@ -10,7 +10,9 @@ On CUDA the sender uses GPU 0 and the receiver GPU 1 (or GPU 0 when only one exi
 device-to-device torch copy over the same pair, measured in the same run. Prints a table, then one JSON line.
 With NIXL each case also reports the write requests (`*_xfers`), descriptors (`*_descs`) and notices
 (`*_notifs`) the sender made per request; `--chunk-bytes a,b,c` reruns the layer-wise case with each
-descriptor size (`nixl_backend.CHUNK_BYTES`) and reports those under `chunk_sweep`.
+descriptor size (`nixl_backend.CHUNK_BYTES`) and reports those under `chunk_sweep`. `--layer-groups 1,4,8` reruns
+the layer-wise and paced cases with each number of layers a write (`send_session.LAYER_GROUP`) and reports those
+under `layer_group_sweep`; the main row is always one layer a write.
 
 The receiver is this script again in a child process (`--receiver`), talking JSON lines over its stdin/stdout.
 The parent watches it while waiting for any reply: a receiver that dies (NIXL missing, out of memory) is
@@ -20,6 +22,7 @@ reported within a fraction of a second, with its exit code and last stderr lines
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -113,7 +116,8 @@ class Receiver(JsonLinesChild):
                 self.proc.wait(5)
 
 
-def run_case(backend: str, device: str, recv_device: str, case: str, reps: int, chunks: list[int]) -> dict:
+def run_case(backend: str, device: str, recv_device: str, case: str, reps: int, chunks: list[int],
+             groups: list[int]) -> dict:
     from splitserve.kv_transfer import KVLayout, make_agent
 
     layers, heads, dim, tokens, cpu_dt, cuda_dt = CASES[case]
@@ -125,9 +129,13 @@ def run_case(backend: str, device: str, recv_device: str, case: str, reps: int, 
     try:
         agent = make_agent(backend, KVLayout(kv))
         try:
-            out = _measure(receiver, agent, kv, case, nbytes, reps)
-            if chunks:
-                out["chunk_sweep"] = _sweep(receiver, agent, kv, case, nbytes, reps, chunks)
+            with _layer_group(1):  # the main row and the chunk sweep: one layer a write
+                out = _measure(receiver, agent, kv, case, nbytes, reps)
+                if chunks:
+                    out["chunk_sweep"] = _sweep(receiver, agent, kv, case, nbytes, reps, chunks)
+            if groups != [1]:
+                out["layer_group_sweep"] = _group_sweep(receiver, agent, kv, case, nbytes, reps, groups,
+                                                        out["paced_interval_ms"] / 1e3)
             return out
         finally:
             agent.close()
@@ -187,6 +195,41 @@ def _sweep(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: in
                         **{k: runs[-1][k] for k in ("xfers", "descs", "notifs")}})
     finally:
         nixl_backend.CHUNK_BYTES = default
+    return out
+
+
+@contextlib.contextmanager
+def _layer_group(group: int):
+    """Sessions begun inside write `group` consecutive layers at a time (`send_session.LAYER_GROUP`)."""
+    from splitserve.kv_transfer import send_session
+
+    default, send_session.LAYER_GROUP = send_session.LAYER_GROUP, group
+    try:
+        yield
+    finally:
+        send_session.LAYER_GROUP = default
+
+
+def _group_sweep(receiver: Receiver, agent: KVTransferAgent, kv, case: str, nbytes: int, reps: int,
+                 groups: list[int], interval: float) -> list[dict]:
+    """The layer-wise case again per layer group, each checked bit for bit first, and the paced case's tail with
+    layers released every `interval` seconds (the main row's)."""
+    layers, nblocks = len(kv), CASES[case][3] // BLOCK
+    src = list(range(2, 2 + nblocks))
+    expected = _digest(kv, src)
+    out = []
+    for group in groups:
+        with _layer_group(group):
+            rid = f"{case}-group{group}"
+            digest = _one(receiver, agent, layers, src, f"{rid}-check", "layerwise", verify=True)["digest"]
+            runs = [_one(receiver, agent, layers, src, f"{rid}-{i}", "layerwise") for i in range(reps)]
+            tails = [_one(receiver, agent, layers, src, f"{rid}-paced-{i}", "paced", interval)["tail"]
+                     for i in range(reps)]
+        t = statistics.median(r["total"] for r in runs)
+        out.append({"layer_group": group, "layerwise_ms": t * 1e3, "layerwise_gbps": nbytes / t / 1e9,
+                    "tail_after_last_layer_ms": statistics.median(tails) * 1e3,
+                    "verified": _verified(digest, expected),
+                    **{k: runs[-1][k] for k in ("xfers", "descs", "notifs") if k in runs[-1]}})
     return out
 
 
@@ -250,11 +293,20 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", default="",
                     help="NIXL: comma-separated descriptor sizes in bytes (0: runs not cut); reruns the layer-wise "
                          "case with each")
+    ap.add_argument("--layer-groups", default="1",
+                    help="comma-separated layers a write (send_session.LAYER_GROUP); other than 1: reruns the "
+                         "layer-wise and paced cases with each")
     args = ap.parse_args()
     try:
         chunks = [int(c) for c in args.chunk_bytes.split(",") if c.strip()]
     except ValueError:
         sys.exit(f"kv_transfer benchmark: --chunk-bytes takes integers, got {args.chunk_bytes!r}")
+    try:
+        groups = [int(g) for g in args.layer_groups.split(",") if g.strip()]
+    except ValueError:
+        sys.exit(f"kv_transfer benchmark: --layer-groups takes integers, got {args.layer_groups!r}")
+    if not groups or any(g < 1 for g in groups):
+        sys.exit("kv_transfer benchmark: --layer-groups takes integers >= 1")
     if any(c < 0 for c in chunks) or (chunks and args.backend != "nixl"):
         sys.exit("kv_transfer benchmark: --chunk-bytes takes sizes >= 0 and needs --backend nixl")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -266,7 +318,8 @@ def main() -> None:
         recv_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
         copy_gbps = copy_bandwidth(send_dev, recv_dev)
     try:
-        cases = [run_case(args.backend, send_dev, recv_dev, c, args.reps, chunks) for c in args.cases.split(",")]
+        cases = [run_case(args.backend, send_dev, recv_dev, c, args.reps, chunks, groups)
+                 for c in args.cases.split(",")]
     except ChildDied as e:
         sys.exit(f"kv_transfer benchmark: {e}")
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
@@ -285,6 +338,11 @@ def main() -> None:
         for sw in c.get("chunk_sweep", ()):
             print(f"{'':<12}chunk {sw['chunk_bytes']:>9} B: layer-wise {sw['layerwise_ms']:.2f} ms "
                   f"{sw['layerwise_gbps']:.2f} GB/s, {sw['descs']} descriptors, ok={sw['verified']}")
+        for sw in c.get("layer_group_sweep", ()):
+            writes = f", {sw['xfers']} writes" if "xfers" in sw else ""
+            print(f"{'':<12}layer group {sw['layer_group']:>3}: layer-wise {sw['layerwise_ms']:.2f} ms "
+                  f"{sw['layerwise_gbps']:.2f} GB/s, tail {sw['tail_after_last_layer_ms']:.2f} ms{writes}, "
+                  f"ok={sw['verified']}")
     print(json.dumps({"backend": args.backend, "device": args.device, "gpu": gpu, "copy_gbps": copy_gbps,
                       "sender": send_dev, "receiver": recv_dev, "cases": [_rounded(c) for c in cases]}))
 

@@ -202,9 +202,13 @@ def _scrape(urls: list[str], prefixes: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def stage_means_ms(before: dict[str, float], after: dict[str, float]) -> dict:
+def stage_means_ms(before: dict[str, float], after: dict[str, float], early: bool | None = None) -> dict:
     """Mean milliseconds per stage between two `Cluster.stage_totals`, per role, in the workers' stage order;
-    `rpc_hops`: the decode worker's `prefill` stage less the prefill worker's stages (the gRPC round trip)."""
+    `rpc_hops`: the prefill call's span on the decode worker less the prefill worker's stages (the gRPC round
+    trip). The span is its `prefill` stage, and with `early` (the call out before the reservation, the default
+    unless SPLITSERVE_PREFILL_EARLY=0) its `reserve` and `ticket` stages too."""
+    if early is None:
+        early = os.environ.get("SPLITSERVE_PREFILL_EARLY", "1") != "0"
     out: dict = {}
     for role, name in STAGE_METRICS.items():
         stages = {}
@@ -219,7 +223,8 @@ def stage_means_ms(before: dict[str, float], after: dict[str, float]) -> dict:
     firsts = f'{STAGE_METRICS["decode"]}_count{{stage="first_token"}}'
     out["requests"] = int(after.get(firsts, 0.0) - before.get(firsts, 0.0))
     if dec.get("prefill") is not None and pre and None not in pre.values():
-        out["rpc_hops"] = round(dec["prefill"] - sum(pre.values()), 3)
+        span = dec["prefill"] + (dec["reserve"] + dec["ticket"] if early else 0.0)
+        out["rpc_hops"] = round(span - sum(pre.values()), 3)
     return out
 
 

@@ -20,7 +20,7 @@ HANDOVER_STAGE = Histogram(
 # in order: each stage ends at the mark named beside it
 HANDOVER_STAGES = (
     "reserve",       # Generate received -> KV blocks reserved (and their ticket published: the handover's reserve)
-    "ticket",        # -> Prefill RPC issued
+    "ticket",        # -> ticket sent (on the prefill call already out; or with the call, which goes out then)
     "prefill",       # -> Prefill reply received (the prefill worker's whole time and the gRPC hop)
     "kv_wait",       # -> KV landed (the transfer's tail exposed after the reply; ~0 when it landed first)
     "first_token",   # -> first token sent on (as soon as the KV landed; the engine admits the request after)

@@ -1,6 +1,7 @@
 """The Generate RPC on a decode worker: reserve room for the uncached part of the prompt's KV (the handover's
 opaque ticket), have the named prefill worker compute it and put its KV there, then decode from the first token
-it returns.
+it returns. Where reserving takes time (`DecodeHandover.overlap_reserve`), the prefill call goes out first and the
+ticket follows it: the prefill worker computes while this worker reserves.
 
 Short prompts (or no prefill worker) are prefilled locally. If the prefill worker fails, stalls past the
 transfer deadline or dies, the request is prefilled locally instead and still succeeds; the handover frees
@@ -31,7 +32,13 @@ from splitserve.common.protocol.convert import (
     params_from_pb,
 )
 from splitserve.common.tasks import TaskOwner
-from splitserve.common.worker_client import GrpcWorkerClient, PrefillCall, WorkerCallError, WorkerClient
+from splitserve.common.worker_client import (
+    GrpcWorkerClient,
+    PrefillCall,
+    PrefillReply,
+    WorkerCallError,
+    WorkerClient,
+)
 from splitserve.common.worker_metrics import PREFIX_HIT_TOKENS, PROMPT_TOKENS, WORKER_REQUESTS
 from splitserve.decode_worker.metrics import LOCAL_PREFILL, REMOTE_PREFILL, HandoverTimeline
 from splitserve.engine.interface import DecodeHandover, HandoverFailed, ServingEngine
@@ -134,14 +141,29 @@ class DecodeService:
         """Remote prefill: (its stream, True); (the local fallback's stream, False) when the transfer failed;
         (None, False) means prefill locally (the reason is counted). Marks `timeline` up to the KV landing."""
         handover = self.handover
-        reservation = await handover.reserve(rid, prompt, params, priority, min_remote_tokens=self.threshold,
-                                             timeout_s=self.transfer_timeout)
+        client = self._client(peer)
+        ticket: asyncio.Future[bytes] | None = None
+        call: asyncio.Future[PrefillReply] | None = None
+        if handover.overlap_reserve:  # the call goes out first: the prompt is computed while we reserve
+            ticket = asyncio.get_running_loop().create_future()
+            call = asyncio.ensure_future(client.prefill(PrefillCall(rid, prompt, params, b""),
+                                                        timeout_s=self.transfer_timeout, ticket=ticket))
+        try:
+            reservation = await handover.reserve(rid, prompt, params, priority, min_remote_tokens=self.threshold,
+                                                 timeout_s=self.transfer_timeout)
+        except BaseException:
+            _give_up(call)
+            raise
         timeline.reserved = time.monotonic()
         if reservation.ticket is None:
+            _give_up(call)  # the prefill worker stops computing it (its call ends without a ticket)
             LOCAL_PREFILL.labels(reservation.refused).inc()
             return None, False
-        call = asyncio.ensure_future(self._client(peer).prefill(
-            PrefillCall(rid, prompt, params, reservation.ticket), timeout_s=self.transfer_timeout))
+        if ticket is not None:
+            ticket.set_result(reservation.ticket)
+        else:
+            call = asyncio.ensure_future(client.prefill(PrefillCall(rid, prompt, params, reservation.ticket),
+                                                        timeout_s=self.transfer_timeout))
         landed = asyncio.ensure_future(handover.landed(rid))
         timeline.sent = time.monotonic()
         try:
@@ -223,6 +245,16 @@ class DecodeService:
             await client.close()
         if self.handover is not None:
             await self.handover.close()
+
+
+def _give_up(call: asyncio.Future | None) -> None:
+    """End a prefill call whose outcome no longer matters (its failure, if it already failed, is not news)."""
+    if call is None:
+        return
+    if not call.done():
+        call.cancel()
+    elif not call.cancelled():
+        call.exception()
 
 
 def _to_pb(out: RequestOutput, remote: bool, resumed: int = 0) -> pb.GenerateResponse:

@@ -94,6 +94,9 @@ class DecodeHandover(Protocol):
     """
 
     streams_first_token: bool
+    # True when `reserve` takes long enough to overlap with the prefill call: the call goes out first and its
+    # ticket follows (the prefill side needs it only to send the KV)
+    overlap_reserve: bool
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                       priority: int = 0, *, min_remote_tokens: int = 1, timeout_s: float = 30.0) -> Reservation:
@@ -136,10 +139,12 @@ class PrefillResult:
 class PrefillHandover(Protocol):
     """The prefill side: compute a prompt and put its KV where the ticket says."""
 
-    async def run(self, ticket: bytes, request_id: str, prompt_token_ids: Sequence[int],
+    async def run(self, ticket: Awaitable[bytes], request_id: str, prompt_token_ids: Sequence[int],
                   params: SamplingParams) -> PrefillResult:
-        """Raises `BadTicket` before anything runs when the ticket does not fit, `HandoverFailed` when the
-        prompt or its transfer failed; cancelled, it stops writing into the ticket's blocks."""
+        """Computes the prompt from the start; `ticket` may resolve later (the decode side reserves meanwhile),
+        and the KV goes where it says once it has. Raises `BadTicket` when the ticket does not fit (nothing was
+        sent), `HandoverFailed` when the prompt or its transfer failed, or the ticket never came; cancelled, it
+        stops writing into the ticket's blocks."""
         ...
 
     async def close(self) -> None: ...

@@ -58,6 +58,9 @@ class Channel(Protocol):
 
     def write_layer(self, layer: int, runs: list[tuple[int, int, int]], final: bool) -> int: ...
 
+    def write_layers(self, layers: range, runs: list[tuple[int, int, int]], final: bool) -> int:
+        """`write_layer` of each of `layers` (consecutive), in as few writes as the backend can."""
+
     def write_all(self, runs: list[tuple[int, int, int]]) -> int: ...
 
     def flush(self) -> None: ...

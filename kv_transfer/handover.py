@@ -9,13 +9,16 @@ transfer can land any more (`KVTransferAgent.quiet`), in that order, with no tim
 
 Prefill (`NativePrefillHandover`): `run` computes the prompt with its blocks held, streams each layer's KV into
 the ticket's blocks as the layer is written, waits for the sender to finish, and releases the blocks to the
-prefix cache (behind the reply when it succeeded).
+prefix cache (behind the reply when it succeeded). The ticket may come after the compute began (the decode side
+reserves while the prompt is computed): layers written before it are sent when it comes. Under tensor
+parallelism the compute waits for it (every rank plans its sends from the step that carries the ticket's plan).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 
@@ -33,10 +36,13 @@ from splitserve.kv_transfer.stream_hook import KVStreamHook
 from splitserve.kv_transfer.ticket import TransferTicket
 
 log = logging.getLogger("splitserve.kv_transfer.handover")
+# SPLITSERVE_PREFILL_EARLY=0: the decode worker sends the prefill call after reserving, with the ticket (to compare)
+PREFILL_EARLY = os.environ.get("SPLITSERVE_PREFILL_EARLY", "1") != "0"
 
 
 class NativeDecodeHandover:
     streams_first_token = False  # the prefill's first token goes out as soon as the KV landed
+    overlap_reserve = PREFILL_EARLY  # taking blocks and publishing their ticket costs a millisecond or two
 
     def __init__(self, engine: AsyncEngine, agent: KVTransferAgent | ShardedReceiver) -> None:
         self.engine = engine
@@ -101,25 +107,35 @@ class NativePrefillHandover:
             raise BadTicket(f"ticket has {len(ticket.block_ids)} blocks, the prompt needs {need}")
         return ticket
 
-    async def run(self, ticket: bytes, request_id: str, prompt_token_ids: Sequence[int],
+    async def run(self, ticket: Awaitable[bytes], request_id: str, prompt_token_ids: Sequence[int],
                   params: SamplingParams) -> PrefillResult:
         rid = request_id
-        tt = self._ticket(ticket, rid, len(prompt_token_ids))
+        came: list[TransferTicket] = []  # the ticket, once it came and fits
         scheduled = 0.0
 
-        def begin(blocks: list[int]) -> SendSession:  # on the engine thread, at the request's first step
+        def begin(blocks: list[int]) -> SendSession | None:  # on the engine thread, from the request's first step
             nonlocal scheduled
-            scheduled = time.monotonic()
-            return self.agent.begin(tt, blocks)
+            scheduled = scheduled or time.monotonic()
+            return self.agent.begin(came[0], blocks) if came else None  # None: the layers wait for the ticket
+
+        async def take_ticket() -> TransferTicket:
+            tt = self._ticket(await ticket, rid, len(prompt_token_ids))  # MalformedTicket is a BadTicket
+            came.append(tt)
+            self.hook.attach(rid)  # sends what was computed before it came
+            return tt
 
         done = self.hook.register(rid, begin, len(prompt_token_ids))
+        arrival = asyncio.ensure_future(take_ticket())
         sent = False
         try:
+            if isinstance(self.agent, ShardedSender):  # follower ranks plan their sends at each step: ticket first
+                await arrival
             first = None
             async for out in (self.pool or self.engine).generate(rid, prompt_token_ids, params, hold_blocks=True):
                 first = out
             if first is None or first.finish_reason in ("abort", "error") or not first.new_token_ids:
                 raise TransferError(f"{rid}: prefill did not produce a token ({first and first.error})")
+            tt = await arrival  # the prompt is computed: what is left waits for the ticket
             await done.wait_async(max(0.5, tt.deadline - time.time()))
             computed = time.monotonic()
             error = self.hook.error(rid)
@@ -132,6 +148,10 @@ class NativePrefillHandover:
             finished = time.monotonic()
             sent = True
         finally:
+            if not arrival.done():
+                arrival.cancel()
+            elif not arrival.cancelled():
+                arrival.exception()  # observed: a failure that matters was raised above
             if not sent:  # failed or cancelled (the decode worker gave up): stop writing into its blocks
                 session = self.hook.session(rid)
                 if session is not None:

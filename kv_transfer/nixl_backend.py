@@ -192,8 +192,10 @@ class NixlBackend:
             nbytes, src, num_src = _count(nbytes), _count(src), _count(num_src)
             if not all(-1 <= x < ticket.num_layers for x in layers) or final not in ("0", "1"):
                 raise ValueError("layer or final flag out of range")
-            # every byte a request can bring here: each K and V block of each layer, every head of this rank
-            most = 2 * ticket.num_layers * len(ticket.block_ids) * agent.layout.block_bytes
+            # every byte a request can bring here: each K and V block of each layer, every head of this rank, sent
+            # again by each chunk of the prompt that ends inside it (at most once per token it holds)
+            lay = agent.layout
+            most = 2 * ticket.num_layers * len(ticket.block_ids) * lay.block_bytes * lay.block_size
             if nbytes > most or src >= MAX_SENDERS or not 1 <= num_src <= MAX_SENDERS:
                 raise ValueError("bytes or sender out of range")
             for i, x in enumerate(layers):  # the bytes count once

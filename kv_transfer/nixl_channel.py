@@ -53,10 +53,11 @@ class _Indices:
 
 
 class NixlChannel:
-    """Posts each layer's writes (or every layer's, `write_all`) at once, without a notification and without
-    waiting; one notice per request and route follows once every layer's final write was posted and every write
-    of the request completed locally, so the notice never overtakes data (`_notify`). While writes are slow to
-    land (a paced prefill), a progress notice per landed layer goes at most every PROGRESS_S, never on a write.
+    """Posts each layer's writes (several layers' in one, `write_layers`; every layer's, `write_all`) at once,
+    without a notification and without waiting; one notice per request and route follows once every layer's final
+    write was posted and every write of the request completed locally, so the notice never overtakes data
+    (`_notify`). While writes are slow to land (a paced prefill), a progress notice per landed layer goes at most
+    every PROGRESS_S, never on a write.
 
     Runs contiguous on both sides are written in descriptors of `chunk` blocks (`_indices`). A staged channel
     (`ring`) copies the slab's blocks into a ring slot before each write and frees the slot only once NIXL
@@ -95,12 +96,17 @@ class NixlChannel:
             self._mark_final((layer,))
         return n
 
-    def write_all(self, runs: list[tuple[int, int, int]]) -> int:
+    def write_layers(self, layers: range, runs: list[tuple[int, int, int]], final: bool) -> int:
+        """Consecutive layers' writes in one NIXL transfer (a transfer has a fixed cost, whatever its size)."""
         if self.ring is not None:  # the ring holds a few layers, not a whole prompt: layer by layer
-            return sum(self.write_layer(layer, runs, True) for layer in range(self.layout.num_layers))
-        n = self._post(range(self.layout.num_layers), runs)
-        self._mark_final(range(self.layout.num_layers))
+            return sum(self.write_layer(layer, runs, final) for layer in layers)
+        n = self._post(list(layers), runs)
+        if final:
+            self._mark_final(layers)
         return n
+
+    def write_all(self, runs: list[tuple[int, int, int]]) -> int:
+        return self.write_layers(range(self.layout.num_layers), runs, True)
 
     def _mark_final(self, layers) -> None:
         for layer in layers:

@@ -31,7 +31,10 @@ log = logging.getLogger("splitserve.kv_transfer.hook")
 class _Stream:
     num_prompt_tokens: int
     session: SendSession | None = None
-    factory: Callable[[list[int]], SendSession] | None = None  # builds the session from our block ids
+    # builds the session from our block ids; None while the ticket it needs has not come (see `attach`)
+    factory: Callable[[list[int]], SendSession | None] | None = None
+    src_block_ids: list[int] | None = None  # ours, as of the last step that scheduled the request
+    deferred: list[tuple[int, range, bool, torch.cuda.Event | None]] = field(default_factory=list)
     next_block: int = 0  # first prompt block not yet sent complete
     queued_final: Latch = field(default_factory=Latch)
     error: TransferError | None = None
@@ -50,7 +53,9 @@ class KVStreamHook:
         """Stream `request_id`'s prompt KV; the event fires once every layer is queued (or the stream failed).
 
         `session` is a SendSession, or a factory called on the engine thread with the request's block ids at
-        its first scheduled step (a prefill worker learns its block ids only then).
+        its first scheduled step (a prefill worker learns its block ids only then). The factory returns None
+        while the decode side's ticket has not come: the layers written meanwhile are kept, and sent by `attach`
+        (the ticket came) or at the next step that finds the factory ready.
         """
         if isinstance(session, SendSession):
             stream = _Stream(num_prompt_tokens, session=session)
@@ -70,6 +75,27 @@ class KVStreamHook:
             stream = self._streams.get(request_id)
             return stream.error if stream else None
 
+    def attach(self, request_id: str) -> None:
+        """`request_id`'s ticket came (its factory now builds the session): if the request was already
+        scheduled, start its session here and send the layers written so far."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.session is None and stream.error is None and \
+                    stream.src_block_ids is not None:
+                self._start(stream)
+
+    def _start(self, stream: _Stream) -> None:
+        """Build the session (under the lock) and queue the layers written before it: a failed stream on error."""
+        try:
+            stream.session = stream.factory(stream.src_block_ids)
+        except Exception as e:  # a bad ticket: fail this stream, keep the engine going
+            self._fail(stream, e if isinstance(e, TransferError) else TransferError(str(e)))
+            return
+        if stream.session is not None:
+            for layer, indices, final, event in stream.deferred:
+                stream.session.send_layer(layer, indices, final, event)
+            stream.deferred = []
+
     def unregister(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
@@ -88,14 +114,13 @@ class KVStreamHook:
                 if s.start == 0 and stream.next_block > 0:  # preempted and recomputed: blocks changed
                     self._fail(stream, TransferError(f"{s.request_id}: preempted while streaming its KV"))
                     continue
-                try:
-                    if stream.session is None:
-                        stream.session = stream.factory(list(s.block_ids))
-                    else:
-                        stream.session.src_block_ids = list(s.block_ids)
-                except Exception as e:  # a bad ticket: fail this stream, keep the engine going
-                    self._fail(stream, e if isinstance(e, TransferError) else TransferError(str(e)))
-                    continue
+                stream.src_block_ids = list(s.block_ids)
+                if stream.session is not None:
+                    stream.session.src_block_ids = stream.src_block_ids
+                else:
+                    self._start(stream)
+                    if stream.error is not None:
+                        continue
                 end = min(s.start + s.num_new_tokens, stream.num_prompt_tokens)
                 last_block = cdiv(end, self.block_size)
                 final = end == stream.num_prompt_tokens
@@ -129,6 +154,11 @@ class KVStreamHook:
             event = torch.cuda.Event()
             event.record()
         for stream, indices, final in self._step:
+            if stream.session is None:  # its ticket may be coming: `attach` takes the lock to send these
+                with self._lock:
+                    if stream.session is None:
+                        stream.deferred.append((layer_idx, indices, final, event))
+                        continue
             stream.session.send_layer(layer_idx, indices, final, event)
 
     def on_step_end(self, scheduled) -> None:

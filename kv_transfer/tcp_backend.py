@@ -224,8 +224,11 @@ class TcpChannel:
             sent += payload
         return sent
 
+    def write_layers(self, layers: range, runs: list[tuple[int, int, int]], final: bool) -> int:
+        return sum(self.write_layer(layer, runs, final) for layer in layers)  # frames carry one layer each
+
     def write_all(self, runs: list[tuple[int, int, int]]) -> int:
-        return sum(self.write_layer(layer, runs, True) for layer in range(self.layout.num_layers))
+        return self.write_layers(range(self.layout.num_layers), runs, True)
 
     def flush(self) -> None:
         pass  # writes are synchronous

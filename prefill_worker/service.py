@@ -2,20 +2,25 @@
 return the first token.
 
 The ticket is opaque here: the engine's prefill-side handover reads it, streams the KV and keeps the computed
-blocks in this worker's prefix cache afterwards. Each call that succeeds leaves a timeline of its stages
+blocks in this worker's prefix cache afterwards. `Prefill` brings the ticket with the request; `PrefillEarly`
+brings the request first and the ticket once the decode worker has reserved its blocks, so the prompt's compute
+starts while the decode worker reserves (the handover needs the ticket only to send). Each call that succeeds leaves a timeline of its stages
 (`PrefillTimeline`), observed in `splitserve_prefill_stage_seconds{stage}`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol.convert import ProtocolError, check_request, logprob_to_pb, params_from_pb
+from splitserve.common.protocol.service import MalformedMessage
 from splitserve.common.worker_metrics import WORKER_REQUESTS
 from splitserve.engine.interface import BadTicket, HandoverFailed, PrefillHandover, ServingEngine
 from splitserve.prefill_worker.metrics import PrefillTimeline
@@ -31,7 +36,49 @@ class PrefillService:
         self.handover = handover
 
     async def prefill(self, req: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
-        timeline = PrefillTimeline(time.monotonic())
+        """The request with its ticket."""
+        ticket: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        ticket.set_result(req.ticket)
+        return await self._prefill(req, ticket, time.monotonic(), context)
+
+    async def prefill_early(self, messages: AsyncIterator[pb.PrefillStreamMessage],
+                            context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        """The request first, its ticket after it (the decode worker reserves its blocks meanwhile): the prompt is
+        computed as soon as the request is here, and its KV sent once the ticket is."""
+        received = time.monotonic()
+        first = await anext(aiter(messages), None)
+        if first is None or first.WhichOneof("body") != "request":
+            WORKER_REQUESTS.labels("prefill", "invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PrefillEarly: the first message must be the request")
+        ticket: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        async def read_ticket() -> None:
+            try:
+                msg = await anext(aiter(messages), None)
+            except MalformedMessage as e:
+                ticket.set_exception(BadTicket(str(e)))
+                return
+            except (grpc.RpcError, asyncio.CancelledError) as e:  # the call ended under us
+                ticket.set_exception(HandoverFailed(f"the ticket never came: {e!r}"))
+                return
+            if msg is None or msg.WhichOneof("body") != "ticket":  # a caller that gives up cancels the call
+                ticket.set_exception(BadTicket("PrefillEarly: the second message must be the ticket"))
+            else:
+                ticket.set_result(msg.ticket)
+
+        reader = asyncio.ensure_future(read_ticket())
+        try:
+            return await self._prefill(first.request, ticket, received, context)
+        finally:
+            reader.cancel()
+            if not ticket.done():
+                ticket.cancel()
+            elif not ticket.cancelled():
+                ticket.exception()  # observed: the call's outcome already says what failed
+
+    async def _prefill(self, req: pb.PrefillRequest, ticket: asyncio.Future[bytes], received: float,
+                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        timeline = PrefillTimeline(received)
         facts = self.engine.facts
         try:
             check_request(req.protocol_version, req.request_id, req.prompt_token_ids, facts.vocab_size,
@@ -43,8 +90,8 @@ class PrefillService:
         # the prompt and its first token only, whatever the request asks of the decode worker
         first_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=[], ignore_eos=True)
         try:
-            result = await self.handover.run(req.ticket, req.request_id, list(req.prompt_token_ids), first_params)
-        except BadTicket as e:  # refused before anything ran
+            result = await self.handover.run(ticket, req.request_id, list(req.prompt_token_ids), first_params)
+        except BadTicket as e:  # a ticket that does not fit: nothing was sent
             WORKER_REQUESTS.labels("prefill", "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except HandoverFailed as e:  # the handover stopped writing into the ticket's blocks before raising

@@ -153,6 +153,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             self.outstanding -= 1
 
+    async def PrefillEarly(self, request_iterator, context):
+        handler = await self._serve("prefill_early", request_iterator, context)
+        self.outstanding += 1
+        try:
+            return await handler(request_iterator, context)
+        finally:
+            self.outstanding -= 1
+
     async def Abort(self, request, context):
         await self._need_ready(context)
         await self.engine.abort(request.request_id)

@@ -47,15 +47,22 @@ class Engine:
 
 class Handover:
     streams_first_token = False  # a push (native): the prefill's first token goes out once the KV landed
+    overlap_reserve = False  # the prefill call goes out after the reservation, with its ticket
 
-    def __init__(self, landed: asyncio.Future | None = None) -> None:
+    def __init__(self, landed: asyncio.Future | None = None, refuse: str = "") -> None:
         self.calls: list[str] = []
         self.cancelled: list[tuple[str, object]] = []
         self._landed = landed
+        self.refuse = refuse
+        self.peer: Peer | None = None  # what the prefill peer had seen when the reservation began
 
     async def reserve(self, request_id, prompt_token_ids, params, priority=0, *, min_remote_tokens=1,
                       timeout_s=30.0) -> Reservation:
-        self.calls.append(f"reserve {request_id} min={min_remote_tokens}")
+        await asyncio.sleep(0.05)  # taking blocks: the early call (if any) is out meanwhile
+        self.calls.append(f"reserve {request_id} min={min_remote_tokens}"
+                          + (f" peer={self.peer.calls}" if self.peer is not None else ""))
+        if self.refuse:
+            return Reservation(None, 0, self.refuse)
         return Reservation(b"opaque-ticket", 16)
 
     async def landed(self, request_id) -> None:
@@ -82,9 +89,16 @@ class Peer:
     def __init__(self, fail: WorkerCallError | None = None, hang: bool = False, receipt: bytes = b"") -> None:
         self.fail, self.hang, self.receipt = fail, hang, receipt
         self.tickets: list[bytes] = []
+        self.calls: list[str] = []  # "early" (the ticket to follow) or "with ticket"
+        self.given_up: list[str] = []
 
-    async def prefill(self, call, timeout_s) -> PrefillReply:
-        self.tickets.append(call.ticket)
+    async def prefill(self, call, timeout_s, ticket=None) -> PrefillReply:
+        self.calls.append("early" if ticket is not None else "with ticket")
+        try:
+            self.tickets.append(call.ticket or await ticket)
+        except asyncio.CancelledError:
+            self.given_up.append(call.request_id)
+            raise
         if self.hang:
             await asyncio.Event().wait()
         if self.fail is not None:
@@ -117,10 +131,33 @@ async def collect(svc: DecodeService, rid: str) -> list[pb.GenerateResponse]:
 def test_a_remote_prefill_carries_the_opaque_ticket_and_admits_after_the_landing():
     engine, handover, peer = Engine(), Handover(), Peer()
     out = asyncio.run(collect(service(handover, peer, engine), "a"))
-    assert peer.tickets == [b"opaque-ticket"]
+    assert peer.tickets == [b"opaque-ticket"] and peer.calls == ["with ticket"]
     assert handover.calls == ["reserve a min=32", "landed a", "admit a 42"]
     assert [list(r.token_ids) for r in out] == [[42], [5]] and out[-1].finished and out[0].remote_prefill
     assert out[0].cached_tokens == 16 and engine.calls == [] and not handover.cancelled
+
+
+class EarlyHandover(Handover):
+    overlap_reserve = True  # reserving takes long enough: the call goes out first, its ticket follows
+
+
+def test_where_reserving_takes_time_the_prefill_call_goes_out_first_and_its_ticket_follows():
+    engine, peer = Engine(), Peer()
+    handover = EarlyHandover()
+    handover.peer = peer
+    out = asyncio.run(collect(service(handover, peer, engine), "e"))
+    assert handover.calls == ["reserve e min=32 peer=['early']", "landed e", "admit e 42"]
+    assert peer.tickets == [b"opaque-ticket"]
+    assert [list(r.token_ids) for r in out] == [[42], [5]] and out[0].remote_prefill and not handover.cancelled
+
+
+def test_a_refused_reservation_gives_the_early_call_up_and_prefills_locally():
+    engine, peer = Engine(), Peer()
+    handover = EarlyHandover(refuse="no_free_blocks")
+    out = asyncio.run(collect(service(handover, peer, engine), "f"))
+    assert peer.calls == ["early"] and peer.given_up == ["f"] and peer.tickets == []
+    assert engine.calls == ["generate f"] and not handover.cancelled  # nothing was reserved: nothing to hand back
+    assert [list(r.token_ids) for r in out] == [[7, 8]] and not out[0].remote_prefill
 
 
 class PullHandover(Handover):

@@ -12,10 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from serving import Up, metric_sum, scrape
 
+from splitserve.common.protocol import PROTOCOL_VERSION
+from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.decode_worker.metrics import HANDOVER_STAGES
 from splitserve.prefill_worker.metrics import PREFILL_STAGES
 
@@ -71,9 +74,11 @@ def test_each_stage_observed_once_per_remote_prefill_and_within_its_latency(disa
     assert {s: c for s, (c, _) in dec.items()} == dict.fromkeys(HANDOVER_STAGES, NUM_REQUESTS)
     assert {s: c for s, (c, _) in pre.items()} == dict.fromkeys(PREFILL_STAGES, NUM_REQUESTS)
     assert all(seconds >= 0 for _, seconds in (*dec.values(), *pre.values())), (dec, pre)
-    # the decode worker's stages lie within each request's latency; the prefill worker's within its RPC
+    # the decode worker's stages lie within each request's latency; the prefill worker's within its RPC, which
+    # went out as the reservation began (the ticket followed it)
     assert sum(seconds for _, seconds in dec.values()) <= sum(latencies), (dec, latencies)
-    assert sum(seconds for _, seconds in pre.values()) <= dec["prefill"][1], (pre, dec)
+    rpc = dec["reserve"][1] + dec["ticket"][1] + dec["prefill"][1]
+    assert sum(seconds for _, seconds in pre.values()) <= rpc, (pre, dec)
     assert pre["compute"][1] > 0 and dec["prefill"][1] > 0
     # each histogram's buckets count every observation
     for name, stages in ((decode_name, HANDOVER_STAGES), (prefill_name, PREFILL_STAGES)):
@@ -111,6 +116,48 @@ def test_first_token_before_admission_and_a_client_leaving_after_it_leaves_no_bl
     assert metric_sum(metrics, "splitserve_handover_stage_seconds_count", stage="first_token") - first_before == 3
 
 
+def test_a_prefill_call_early_or_not_refuses_bad_streams_and_serves_on(disagg):
+    """PrefillEarly on the real prefill worker: a stream that does not bring the request then its ticket is
+    refused as INVALID_ARGUMENT (nothing crashes, nothing waits), and one given up before its ticket leaves no
+    request running; remote prefills go on through the gateway."""
+    endpoint = disagg.components["prefill"][0]["grpc"]
+    request = pb.PrefillRequest(protocol_version=PROTOCOL_VERSION, request_id="fz", prompt_token_ids=list(range(100, 164)),
+                                params=pb.SamplingParams(max_tokens=1, top_p=1.0))
+    req = pb.PrefillStreamMessage(request=request).SerializeToString()
+    ticket = pb.PrefillStreamMessage(ticket=b"not a ticket").SerializeToString()
+    bad_streams = {
+        "no message": [],
+        "a ticket first": [ticket],
+        "undecodable": [b"\xff" * 9],
+        "a bad ticket": [req, ticket],
+        "a request twice": [req, req],
+        "an undecodable ticket": [req, b"\x0a\xff\xff"],
+        "no ticket": [req],
+    }
+    with grpc.insecure_channel(endpoint) as channel:
+        early = channel.stream_unary("/splitserve.v1.Worker/PrefillEarly")
+        for name, messages in bad_streams.items():
+            with pytest.raises(grpc.RpcError) as e:
+                early(iter(messages), timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.value.code(), e.value.details())
+
+        def hold():  # the request, then nothing: the caller gives up before its ticket
+            yield req
+            time.sleep(5)
+
+        future = early.future(hold(), timeout=60)
+        time.sleep(1)
+        future.cancel()
+    deadline = time.monotonic() + 30
+    while (running := disagg.stats("prefill")["num_running"] + disagg.stats("prefill")["num_waiting"]) != 0:
+        assert time.monotonic() < deadline, f"the prefill worker still runs {running} requests"
+        time.sleep(0.2)
+    before = metric_sum(disagg.metrics("decode"), "splitserve_remote_prefill_total", outcome="ok")
+    rng = random.Random(2)
+    complete(disagg, [rng.randrange(100, 40000) for _ in range(THRESHOLD * 2)])
+    assert metric_sum(disagg.metrics("decode"), "splitserve_remote_prefill_total", outcome="ok") == before + 1
+
+
 def test_stage_series_stay_on_their_roles(disagg):
     """Each worker lists only its own role's stages (all of them, observed or not); the gateway lists neither."""
     decode, prefill, gateway = disagg.metrics("decode"), disagg.metrics("prefill"), scrape(disagg.url)
@@ -146,7 +193,10 @@ def test_benchmark_stage_means_from_two_scrapes():
     assert means["requests"] == 4
     assert means["decode"] == {s: 2.0 * (i + 1) for i, s in enumerate(HANDOVER_STAGES)}
     assert means["prefill"] == {s: 2.0 * (i + 1) for i, s in enumerate(PREFILL_STAGES)}
-    assert means["rpc_hops"] == means["decode"]["prefill"] - sum(means["prefill"].values())
+    dec = means["decode"]
+    assert means["rpc_hops"] == dec["reserve"] + dec["ticket"] + dec["prefill"] - sum(means["prefill"].values())
+    late = sg.stage_means_ms(totals(2, 2.0), totals(6, 10.0), early=False)  # the call out after the reservation
+    assert late["rpc_hops"] == dec["prefill"] - sum(means["prefill"].values())
     assert sg.stage_means_ms(totals(2, 2.0), totals(2, 2.0))["decode"] == dict.fromkeys(HANDOVER_STAGES)
 
 

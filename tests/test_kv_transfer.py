@@ -325,6 +325,55 @@ def test_stream_hook_sends_chunks_layer_by_layer(receiver, backend):
         sender.close()
 
 
+def test_stream_hook_keeps_layers_written_before_the_ticket_and_sends_them_when_it_comes(receiver, backend):
+    """A prefill worker computes before the decode side's ticket comes: the layers written meanwhile are kept and
+    sent by `attach`, in order with the ones written after (here it comes halfway through the second chunk)."""
+    from splitserve.engine.scheduler import ScheduledRequest
+    from splitserve.kv_transfer.stream_hook import KVStreamHook
+
+    sender = make_agent(backend, KVLayout(make_kv(SEED)))
+    try:
+        rng = random.Random(11)
+        n_tokens = 16 * 6 - 3
+        src, dst = blocks(rng, 6), blocks(rng, 6)
+        came: list[TransferTicket] = []
+        hook = KVStreamHook(block_size=16)
+        done = hook.register("req-late", lambda ours: sender.begin(came[0], ours) if came else None, n_tokens)
+
+        class R:
+            request_id = "req-late"
+
+        half = SHAPE["num_layers"] // 2
+        for start, n in ((0, 40), (40, 40), (80, n_tokens - 80)):
+            sched = [ScheduledRequest(R(), n, start, src, False)]
+            hook.on_step_begin(sched)
+            for layer in range(SHAPE["num_layers"]):
+                if start == 40 and layer == half:
+                    assert hook.session("req-late") is None
+                    came.append(TransferTicket.decode(receiver.expect("req-late", dst, timeout_s=20).encode()))
+                    hook.attach("req-late")
+                hook.on_layer_written(layer)
+            hook.on_step_end(sched)
+        assert done.is_set() and hook.error("req-late") is None
+        hook.session("req-late").finish()
+        receiver.wait_blocking("req-late")
+        assert_landed(receiver, src, dst)
+
+        bad = KVStreamHook(block_size=16)  # a ticket that fails when it comes fails the stream, not the engine
+        failed = bad.register("req-bad", lambda ours: (_ for _ in ()).throw(MalformedTicket("no")) if came else None,
+                              16)
+        sched = [ScheduledRequest(type("R", (), {"request_id": "req-bad"})(), 16, 0, src[:1], False)]
+        bad.on_step_begin(sched)
+        bad.on_layer_written(0)
+        bad.attach("req-bad")
+        assert failed.is_set() and isinstance(bad.error("req-bad"), TransferError)
+        for layer in range(1, SHAPE["num_layers"]):
+            bad.on_layer_written(layer)
+        bad.on_step_end(sched)
+    finally:
+        sender.close()
+
+
 # == a dead peer is reported, not waited on ========================================================
 ROOT = Path(__file__).resolve().parents[1]
 

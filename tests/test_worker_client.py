@@ -52,9 +52,26 @@ class Worker(pb_grpc.WorkerServicer):
                                 num_waiting_remote_kv=6, num_held=7, outstanding_requests=8)
 
 
-async def with_client(fn):
+class EarlyWorker(Worker):
+    """Serves PrefillEarly: records what came and when (the request, then the ticket)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.ended = asyncio.Event()
+
+    async def PrefillEarly(self, request_iterator, context):
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("body")
+                self.seen.append(kind if kind == "request" else f"ticket:{msg.ticket.decode()}")
+            return pb.PrefillResponse(request_id="r", first_token_id=7, cached_tokens=len(self.seen))
+        finally:
+            self.ended.set()
+
+
+async def with_client(fn, worker=None):
     server = grpc.aio.server()
-    pb_grpc.add_WorkerServicer_to_server(Worker(), server)
+    pb_grpc.add_WorkerServicer_to_server(worker or Worker(), server)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -119,3 +136,49 @@ def test_prefill_failures_and_deadlines_and_a_worker_that_is_not_there():
             await client.close()
 
     assert asyncio.run(nobody()) == "unavailable"
+
+
+def test_an_early_prefill_sends_the_request_before_its_ticket_and_can_be_given_up_before_it():
+    worker = EarlyWorker()
+
+    async def calls(client):
+        loop = asyncio.get_running_loop()
+        ticket = loop.create_future()
+        call = asyncio.ensure_future(client.prefill(PrefillCall("r", [1, 2], SamplingParams(max_tokens=1), b""),
+                                                    timeout_s=5, ticket=ticket))
+        for _ in range(200):  # the request reaches the worker while the ticket is still being made
+            if worker.seen:
+                break
+            await asyncio.sleep(0.01)
+        seen_before_ticket = list(worker.seen)
+        ticket.set_result(b"t")
+        reply = await call
+        worker.seen.clear()
+        worker.ended.clear()
+        never = loop.create_future()  # a reservation that was refused: the call is given up before its ticket
+        given_up = asyncio.ensure_future(client.prefill(PrefillCall("r", [1], SamplingParams(max_tokens=1), b""),
+                                                        timeout_s=5, ticket=never))
+        await asyncio.sleep(0.2)
+        given_up.cancel()
+        await asyncio.wait_for(worker.ended.wait(), 5)  # the worker's call ended: it stops computing
+        return seen_before_ticket, reply, list(worker.seen)
+
+    before, reply, abandoned = asyncio.run(with_client(calls, worker))
+    assert before == ["request"]
+    assert (reply.first_token_id, reply.cached_tokens) == (7, 2)  # both messages, in order
+    assert abandoned == ["request"]
+
+
+def test_an_early_prefill_to_a_worker_without_it_sends_the_ticket_with_the_request():
+    async def calls(client):
+        ticket = asyncio.get_running_loop().create_future()
+        ticket.set_result(b"t")
+        first = await client.prefill(PrefillCall("r", [1], SamplingParams(max_tokens=1), b""), timeout_s=5,
+                                     ticket=ticket)
+        second = await client.prefill(PrefillCall("r", [1], SamplingParams(max_tokens=1), b""), timeout_s=5,
+                                      ticket=ticket)
+        return first, second, client._early
+
+    first, second, early = asyncio.run(with_client(calls))  # `Worker` answers PrefillEarly UNIMPLEMENTED
+    assert first.first_token_id == second.first_token_id == 9
+    assert not early  # asked once; the next call went the old way at once

@@ -85,6 +85,7 @@ class VllmDecodeHandover:
     """The decode side (see the module's docstring): nothing to reserve, nothing to free."""
 
     streams_first_token = True
+    overlap_reserve = False  # reserve only looks the prompt up: nothing to overlap with the prefill call
 
     def __init__(self, engine: VllmEngine) -> None:
         self.engine = engine
@@ -127,9 +128,11 @@ class VllmPrefillHandover:
     def __init__(self, engine: VllmEngine) -> None:
         self.engine = engine
 
-    async def run(self, ticket: bytes, request_id: str, prompt_token_ids: Sequence[int],
+    async def run(self, ticket: Awaitable[bytes], request_id: str, prompt_token_ids: Sequence[int],
                   params: SamplingParams) -> PrefillResult:
-        check_ticket(ticket)
+        """The ticket first (its decode side sends it with the request: it reserves nothing, see
+        `VllmDecodeHandover.overlap_reserve`): a prefill whose KV nobody pulls would be held by its server."""
+        check_ticket(await ticket)
         scheduled = time.monotonic()
         try:
             first, lp, cached, kv_params = await self.engine.complete_once(

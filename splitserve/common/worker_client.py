@@ -13,7 +13,8 @@ tokens (a request moved after its first worker failed) go only to a worker whose
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -29,11 +30,12 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_m
 
 # invalid: the worker refused the request itself (a client error, never retried); unavailable: refused or reset
 # connection; cancelled: the worker cancelled the call; closed: the call was cancelled under us (its channel
-# closed); timeout: past the call's deadline; failed: anything else the worker answered
+# closed); timeout: past the call's deadline; unimplemented: the worker does not serve that call (an older
+# release); failed: anything else the worker answered
 CAPABILITIES = frozenset({"resume"})  # what a worker may list in its health (others are ignored)
 RETRY_REASONS = frozenset({"drain", "engine"})  # why a worker says a failed request may go on elsewhere
 
-CallErrorKind = Literal["invalid", "unavailable", "cancelled", "closed", "timeout", "failed"]
+CallErrorKind = Literal["invalid", "unavailable", "cancelled", "closed", "timeout", "unimplemented", "failed"]
 
 
 class WorkerCallError(Exception):
@@ -132,7 +134,11 @@ class WorkerClient(Protocol):
 
     def generate(self, call: GenerateCall) -> TokenStream: ...
 
-    async def prefill(self, call: PrefillCall, timeout_s: float) -> PrefillReply: ...
+    async def prefill(self, call: PrefillCall, timeout_s: float,
+                      ticket: Awaitable[bytes] | None = None) -> PrefillReply:
+        """With `ticket` (and `call.ticket` empty), the call goes out at once and the ticket follows when it
+        resolves: the prefill worker computes meanwhile. To give the call up before its ticket, cancel it."""
+        ...
 
     async def abort(self, request_id: str) -> bool: ...
 
@@ -150,6 +156,7 @@ class GrpcWorkerClient:
         self.endpoint = endpoint
         self._channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
         self._stub = pb_grpc.WorkerStub(self._channel)
+        self._early = True  # the worker serves PrefillEarly (until it answers that it does not)
 
     def generate(self, call: GenerateCall) -> _GrpcTokenStream:
         req = pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, request_id=call.request_id,
@@ -158,11 +165,33 @@ class GrpcWorkerClient:
                                  resume_token_ids=call.resume_token_ids)
         return _GrpcTokenStream(self._stub.Generate(req))
 
-    async def prefill(self, call: PrefillCall, timeout_s: float) -> PrefillReply:
+    async def prefill(self, call: PrefillCall, timeout_s: float,
+                      ticket: Awaitable[bytes] | None = None) -> PrefillReply:
         req = pb.PrefillRequest(protocol_version=PROTOCOL_VERSION, request_id=call.request_id,
                                 prompt_token_ids=call.prompt_token_ids, params=params_to_pb(call.params),
                                 ticket=call.ticket)
-        rpc = self._stub.Prefill(req, timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if ticket is not None and self._early:
+            try:
+                return await self._prefill_early(req, ticket, timeout_s)
+            except WorkerCallError as e:
+                if e.kind != "unimplemented":
+                    raise
+                self._early = False  # a worker older than PrefillEarly: the ticket goes with the request
+        if ticket is not None:
+            req.ticket = await ticket
+        return await self._unary(self._stub.Prefill(req, timeout=max(0.0, deadline - time.monotonic())))
+
+    async def _prefill_early(self, req: pb.PrefillRequest, ticket: Awaitable[bytes],
+                             timeout_s: float) -> PrefillReply:
+        async def messages() -> AsyncIterator[pb.PrefillStreamMessage]:
+            yield pb.PrefillStreamMessage(request=req)
+            yield pb.PrefillStreamMessage(ticket=await ticket)
+
+        return await self._unary(self._stub.PrefillEarly(messages(), timeout=timeout_s))
+
+    @staticmethod
+    async def _unary(rpc) -> PrefillReply:
         try:
             resp = await rpc
         except grpc.aio.AioRpcError as e:
@@ -227,7 +256,8 @@ class _GrpcTokenStream:
 
 _KINDS: dict[grpc.StatusCode, CallErrorKind] = {
     grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.UNAVAILABLE: "unavailable",
-    grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}
+    grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.UNIMPLEMENTED: "unimplemented"}
 
 
 def _call_error(e: grpc.aio.AioRpcError) -> WorkerCallError:

@@ -1,5 +1,5 @@
-"""The Worker service on a gRPC server, answering a request that does not decode with INVALID_ARGUMENT and one
-whose request id is in use with ALREADY_EXISTS.
+"""The Worker service on a gRPC server, answering a request (or a streamed request's message) that does not
+decode with INVALID_ARGUMENT and one whose request id is in use with ALREADY_EXISTS.
 
 grpc's own handlers turn any exception into UNKNOWN ("Unexpected DecodeError"), as if the worker had failed;
 here these two reach the caller as what they are: a malformed message, a clash of ids.
@@ -21,6 +21,10 @@ class Undecodable:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
+class MalformedMessage(ValueError):
+    """Raised by a streaming request's iterator for a message that does not decode (the caller's error)."""
 
 
 def _lenient(deserialize):
@@ -62,6 +66,24 @@ def _streaming(method: str, behaviour):
     return call
 
 
+def _request_stream(method: str, behaviour):
+    async def call(request_iterator, context):
+        async def checked():
+            async for msg in request_iterator:
+                if isinstance(msg, Undecodable):
+                    raise MalformedMessage(f"{method}: malformed message ({msg.reason})")
+                yield msg
+
+        try:
+            return await behaviour(checked(), context)
+        except MalformedMessage as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestIdInUse as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+
+    return call
+
+
 class _Handlers:
     """Stands in for the server while the generated code registers its handlers."""
 
@@ -83,8 +105,10 @@ def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server
     pb_grpc.add_WorkerServicer_to_server(servicer, got)
     methods = {}
     for name, h in got.methods.items():
-        assert not h.request_streaming, name  # every Worker method takes one request
-        if h.response_streaming:
+        if h.request_streaming:
+            assert not h.response_streaming, name  # no Worker method streams both ways
+            h = h._replace(stream_unary=_request_stream(name, h.stream_unary))
+        elif h.response_streaming:
             h = h._replace(unary_stream=_streaming(name, h.unary_stream))
         else:
             h = h._replace(unary_unary=_unary(name, h.unary_unary))

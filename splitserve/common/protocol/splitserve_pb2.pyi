@@ -116,6 +116,14 @@ class PrefillRequest(_message.Message):
     ticket: bytes
     def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
+class PrefillStreamMessage(_message.Message):
+    __slots__ = ("request", "ticket")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    request: PrefillRequest
+    ticket: bytes
+    def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "has_logprob", "cached_tokens", "kv_bytes", "receipt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillEarly = channel.stream_unary(
+                '/splitserve.v1.Worker/PrefillEarly',
+                request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillStreamMessage.SerializeToString,
+                response_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.Worker/Abort',
                 request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.AbortRequest.SerializeToString,
@@ -71,6 +76,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillEarly(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,6 +116,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillEarly': grpc.stream_unary_rpc_method_handler(
+                    servicer.PrefillEarly,
+                    request_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillStreamMessage.FromString,
                     response_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -176,6 +192,33 @@ class Worker:
             target,
             '/splitserve.v1.Worker/Prefill',
             splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillEarly(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/splitserve.v1.Worker/PrefillEarly',
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillStreamMessage.SerializeToString,
             splitserve_dot_common_dot_protocol_dot_splitserve__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
