@@ -10,7 +10,10 @@ an idle cluster, fresh prompts of --handover-len tokens, --handover-output new t
   vllm_nixl           the decode server's own NIXL counters (`vllm:nixl_xfer_time_seconds`, bytes), when exposed
 and a Poisson load (--requests at --rate/s, --input-len/--output-len) per engine in 1P+1D: TTFT/ITL p50/p99.
 
-The two workers of 1P+1D share GPU 0, so each gets --kv-cache-memory (bytes: the same KV for both engines).
+The two workers of 1P+1D share GPU 0, so each gets --kv-cache-memory (bytes: the same KV for both engines);
+with --gpus 2 the prefill worker has GPU 0 and the decode worker GPU 1 (colocated stays on GPU 0), and --trace
+replays a shared trace at each --trace-rates rate against each engine's 1P+1D: goodput (requests/s meeting both
+SLOs) per GPU.
 Needs vLLM importable by `python3` (engine vllm starts `python3 -m vllm.entrypoints.openai.api_server`).
 Prints a table, then the JSON line; --out writes it.
 """
@@ -29,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_gpu import SHAPES, Cluster, handover, model_dir  # noqa: E402
+from serving_gpu import SHAPES, TRACE_FILES, TRACES, Cluster, bench, handover, model_dir  # noqa: E402
 
 
 def vllm_server_url(worker_pid: int) -> str | None:
@@ -69,14 +72,30 @@ def poisson(url: str, args) -> dict:
                                    "output_tok_s")}
 
 
+def goodput(url: str, args, rate: float) -> dict:
+    try:
+        r = bench(args, url, args.trace, rate)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"[{args.trace} @{rate}] failed: {e}", file=sys.stderr, flush=True)
+        return {"offered_rps": rate, "error": str(e)[-500:]}
+    gpus = 2 if args.gpus >= 2 else 1
+    out = {k: r.get(k) for k in ("offered_rps", "goodput_rps", "completed", "failed", "ttft_p50_s", "ttft_p99_s",
+                                 "itl_p50_s", "itl_p99_s")}
+    out["goodput_per_gpu"] = round(r["goodput_rps"] / gpus, 4)
+    print(f"[{args.trace} @{rate}] {out}", file=sys.stderr, flush=True)
+    return out
+
+
 def run_engine(engine: str, args, model: Path, logs: Path) -> dict:
     extra = ["--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if engine == "vllm":  # two servers on one GPU: each may hold this share of it (weights + KV + activations)
-        extra += ["--engine", "vllm", "--vllm-args", f"--gpu-memory-utilization,{args.vllm_gpu_share}"]
+        share = args.vllm_gpu_share if args.gpus < 2 else 0.85
+        extra += ["--engine", "vllm", "--vllm-args", f"--gpu-memory-utilization,{share}"]
     res: dict = {}
+    decode_gpu = 1 if args.gpus >= 2 else 0
     for mode, workers in (("colocated", [("both", [0], extra)]),
-                          ("disaggregated", [("prefill", [0], extra), ("decode", [0], extra)])):
+                          ("disaggregated", [("prefill", [0], extra), ("decode", [decode_gpu], extra)])):
         if mode not in args.modes.split(","):
             continue
         key = f"{engine}_{mode}"
@@ -97,6 +116,8 @@ def run_engine(engine: str, args, model: Path, logs: Path) -> dict:
                         entry["vllm_nixl"] = {k: round(after[k] - before.get(k, 0.0), 6) for k in after}
                     if args.requests:
                         entry["load"] = poisson(c.url, args)
+                    if args.trace:
+                        entry["goodput"] = [goodput(c.url, args, rate) for rate in args.trace_rates]
                 res[mode] = entry
         except (RuntimeError, TimeoutError) as e:
             res[mode] = {"error": str(e)[-1500:]}
@@ -122,6 +143,11 @@ def table(out: dict) -> str:
                         f"{load.get('output_tok_s', '-')} |")
     tails = ", ".join(f"{e}: {out[e].get('pd_tail_ms', '-')} ms" for e in out["engines"])
     rows += ["", f"TTFT(1P+1D) - TTFT(colocated), {out['workload']['handover_len']}-token prompts: {tails}"]
+    for engine in out["engines"]:
+        for g in out[engine].get("disaggregated", {}).get("goodput", []):
+            rows.append(f"{engine} 1P+1D, {out['workload']['trace']} at {g['offered_rps']} req/s: goodput "
+                        f"{g.get('goodput_per_gpu')} req/s/GPU, TTFT p50 {g.get('ttft_p50_s')} s, ITL p50 "
+                        f"{g.get('itl_p50_s')} s, failed {g.get('failed', g.get('error'))}")
     return "\n".join(rows)
 
 
@@ -147,14 +173,29 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0)
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--gpus", type=int, default=1, choices=[1, 2], help="2: the 1P+1D workers on GPUs 0 and 1")
+    ap.add_argument("--trace", default="", choices=["", *sorted(TRACE_FILES)],
+                    help="replay this trace against each engine's 1P+1D (goodput per GPU)")
+    ap.add_argument("--trace-rates", default="4,8", help="offered requests/s, comma-separated")
+    ap.add_argument("--trace-dir", type=Path, default=TRACES)
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per trace run")
+    ap.add_argument("--slo-ttft", type=float, default=2.0)
+    ap.add_argument("--slo-itl", type=float, default=0.05)
+    ap.add_argument("--max-input-len", type=int, default=7168)
+    ap.add_argument("--max-output-len", type=int, default=512)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    try:
+        args.trace_rates = [float(x) for x in args.trace_rates.split(",")]
+    except ValueError:
+        ap.error(f"--trace-rates: {args.trace_rates!r} is not a comma-separated list of numbers")
     logs = Path(tempfile.mkdtemp(prefix="splitserve-vllm-gpu-"))
     model = model_dir(args.shape, logs)
     out: dict = {"engines": args.engines.split(","), "shape": args.shape, "workload": {
         "handover_len": args.handover_len, "handover_output": args.handover_output,
         "requests": args.requests, "rate": args.rate, "input_len": args.input_len, "output_len": args.output_len,
-        "kv_cache_memory": args.kv_cache_memory}, "logs": str(logs)}
+        "kv_cache_memory": args.kv_cache_memory, "gpus": args.gpus, "trace": args.trace or None,
+        "trace_rates": args.trace_rates if args.trace else None}, "logs": str(logs)}
     try:
         import torch
 
