@@ -4,6 +4,8 @@ colocated, each engine with the same random-weight model shape, the same flags a
 What it measures (`benchmarks/serving_gpu.py`'s orchestration and its `handover` part: one request at a time on
 an idle cluster, fresh prompts of --handover-len tokens, --handover-output new tokens):
   ttft_ms, itl_ms     medians, per engine and mode
+  stages_ms           1P+1D: the decode worker's handover stages (means); after the prefill's reply, vLLM's
+                      `first_token` holds the decode server's pull and first step, native's the first token out
   pd_tail_ms          TTFT(1P+1D) - TTFT(colocated): what handing the KV over adds to the first token. For
                       vLLM the decode server pulls the whole prompt's KV after the prefill ended (NixlConnector);
                       for native the prefill worker streams it layer by layer while computing.
@@ -32,7 +34,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_gpu import SHAPES, TRACE_FILES, TRACES, Cluster, bench, handover, model_dir  # noqa: E402
+from serving_gpu import SHAPES, TRACE_FILES, TRACES, Cluster, bench, handover, model_dir, stage_means_ms  # noqa: E402
 
 
 def vllm_server_url(worker_pid: int) -> str | None:
@@ -106,11 +108,16 @@ def run_engine(engine: str, args, model: Path, logs: Path) -> dict:
                 vllm_url = vllm_server_url(c.procs[-2 if mode == "disaggregated" else 0][1].pid) \
                     if engine == "vllm" else None
                 before = nixl_counters(vllm_url) if vllm_url and mode == "disaggregated" else {}
+                stages_before = c.stage_totals() if mode == "disaggregated" else {}
                 h = handover(c.url, args)
                 entry = {"ready_s": round(ready, 1), "ttft_ms": round(h["ttft_ms"], 2),
                          "itl_ms": round(h["itl_ms"], 3)}
                 if mode == "disaggregated":
                     entry["counters"] = c.counters()
+                    # the decode worker's handover stages: for vLLM, `first_token` is its decode server's pull of
+                    # the prompt's KV and first step after the prefill replied; for native, the KV already landed
+                    entry["stages_ms"] = stage_means_ms(stages_before, c.stage_totals(),
+                                                        early=None if engine == "native" else False)
                     if vllm_url:
                         after = nixl_counters(vllm_url)
                         entry["vllm_nixl"] = {k: round(after[k] - before.get(k, 0.0), 6) for k in after}
