@@ -103,8 +103,8 @@ def test_load_step_scales_prefill_up_then_back_down_with_no_request_lost(tmp_pat
         took = wait_for(lambda: m("splitserve_autoscaler_desired_replicas", role="prefill") == 2, 60,
                         "prefill scaled up under the load step")
         assert took <= UP_COOLDOWN + 3 * INTERVAL, f"scale-up took {took:.1f} s"
-        log = "".join(up.stderr)
-        assert "autoscaler: started prefill-1" in log
+        # the desired count is published before the actuator's log line reaches us: wait for the line too
+        wait_for(lambda: "autoscaler: started prefill-1" in "".join(up.stderr), 30, "the second prefill worker started")
         ups = [json.loads(line) for line in up.stderr if '"autoscaler decision' in line]
         assert any(e["decision"]["prefill"]["action"] == "up" for e in ups), ups[-3:]
         # the new worker loads the model and registers; it takes prompts from then on

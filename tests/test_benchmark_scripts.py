@@ -58,10 +58,11 @@ def test_routing_micro_contract():
 
 def test_kv_pool_contract(tmp_path):
     # one two-turn conversation in the Mooncake trace format (its own file: the shared traces need not be here),
-    # turns on different workers (round_robin), so the second turn loads the first's blocks from the pool
+    # turns on different workers (round_robin), so the second turn loads the first's blocks from the pool; it
+    # comes 4 s later (the first turn's blocks are stored after its prefill, later on a busy machine)
     trace = tmp_path / "two_turns.jsonl"
     trace.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [7, 8]}) + "\n"
-                     + json.dumps({"timestamp": 3000, "input_length": 1100, "output_length": 2,
+                     + json.dumps({"timestamp": 8000, "input_length": 1100, "output_length": 2,
                                    "hash_ids": [7, 8, 9]}) + "\n")
     out = last_json(["benchmarks/kv_pool.py", "--json", "--no-save", "--trace", str(trace), "--window-start", "0",
                      "--window-seconds", "60", "--sample", "1", "--max-input-len", "128", "--max-output-len", "2",
