@@ -168,8 +168,8 @@ def table(runs: dict[str, dict[str, Any]], cmp: dict[str, Any]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # light enough that a 2-core box is not queue-bound: what differs is each request's path, not a backlog
-    p.add_argument("--requests", type=int, default=12, help="requests per substrate")
-    p.add_argument("--rate", type=float, default=0.1, help="Poisson arrivals per second")
+    p.add_argument("--requests", type=int, default=20, help="requests per substrate")
+    p.add_argument("--rate", type=float, default=0.15, help="Poisson arrivals per second")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--kv-transport", default="tcp", choices=["auto", "nixl", "tcp"])

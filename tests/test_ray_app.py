@@ -104,6 +104,14 @@ def test_rayservice_example_is_the_serve_config_of_local_cpu() -> None:
     expected = serve_config(load(LOCAL, {"autoscaling.mode": "slo"}), "0.0.0.0")
     assert serve["applications"] == expected["applications"]
     assert service["spec"]["rayClusterConfig"]["rayVersion"] == "2.60.0"
+    # every Ray pod carries Serve's settings for our traffic, as serve-ray sets them for a local Ray
+    from splitserve.cli import RAY_SERVE_ENV
+
+    cluster = service["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    for pod in pods:
+        for container in pod["template"]["spec"]["containers"]:
+            assert {e["name"]: e["value"] for e in container.get("env", [])} == RAY_SERVE_ENV, container["name"]
 
 
 # -- the policy on synthetic contexts ----------------------------------------------------------------------
