@@ -31,7 +31,7 @@ from splitserve.common.protocol.convert import (
     logprob_to_pb,
     params_from_pb,
 )
-from splitserve.common.tasks import TaskOwner
+from splitserve.common.tasks import TaskOwner, settle
 from splitserve.common.worker_client import (
     GrpcWorkerClient,
     PrefillCall,
@@ -152,11 +152,11 @@ class DecodeService:
             reservation = await handover.reserve(rid, prompt, params, priority, min_remote_tokens=self.threshold,
                                                  timeout_s=self.transfer_timeout)
         except BaseException:
-            _give_up(call)
+            settle(call)
             raise
         timeline.reserved = time.monotonic()
         if reservation.ticket is None:
-            _give_up(call)  # the prefill worker stops computing it (its call ends without a ticket)
+            settle(call)  # the prefill worker stops computing it (its call ends without a ticket)
             LOCAL_PREFILL.labels(reservation.refused).inc()
             return None, False
         if ticket is not None:
@@ -173,11 +173,8 @@ class DecodeService:
                 await landed
                 timeline.landed = time.monotonic()
             finally:
-                for task in (call, landed):
-                    if not task.done():
-                        task.cancel()
-                    elif not task.cancelled():
-                        task.exception()  # observed here: the first error is the one reported
+                for task in (call, landed):  # the first error is the one reported
+                    settle(task)
         except asyncio.CancelledError:  # the caller left: the reservation goes (once nothing can write it)
             handover.cancel(rid, call)
             raise
@@ -245,16 +242,6 @@ class DecodeService:
             await client.close()
         if self.handover is not None:
             await self.handover.close()
-
-
-def _give_up(call: asyncio.Future | None) -> None:
-    """End a prefill call whose outcome no longer matters (its failure, if it already failed, is not news)."""
-    if call is None:
-        return
-    if not call.done():
-        call.cancel()
-    elif not call.cancelled():
-        call.exception()
 
 
 def _to_pb(out: RequestOutput, remote: bool, resumed: int = 0) -> pb.GenerateResponse:

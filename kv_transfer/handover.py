@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 
 from splitserve.common.sampling import Logprob, SamplingParams
-from splitserve.common.tasks import TaskOwner
+from splitserve.common.tasks import TaskOwner, settle
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.interface import BadTicket, PrefillResult, Reservation
 from splitserve.engine.kv_cache_manager import cdiv
@@ -148,10 +148,7 @@ class NativePrefillHandover:
             finished = time.monotonic()
             sent = True
         finally:
-            if not arrival.done():
-                arrival.cancel()
-            elif not arrival.cancelled():
-                arrival.exception()  # observed: a failure that matters was raised above
+            settle(arrival)  # a failure that matters was raised above
             if not sent:  # failed or cancelled (the decode worker gave up): stop writing into its blocks
                 session = self.hook.session(rid)
                 if session is not None:

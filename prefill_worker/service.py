@@ -4,8 +4,8 @@ return the first token.
 The ticket is opaque here: the engine's prefill-side handover reads it, streams the KV and keeps the computed
 blocks in this worker's prefix cache afterwards. `Prefill` brings the ticket with the request; `PrefillEarly`
 brings the request first and the ticket once the decode worker has reserved its blocks, so the prompt's compute
-starts while the decode worker reserves (the handover needs the ticket only to send). Each call that succeeds leaves a timeline of its stages
-(`PrefillTimeline`), observed in `splitserve_prefill_stage_seconds{stage}`.
+starts while the decode worker reserves (the handover needs the ticket only to send). Each call that succeeds
+leaves a timeline of its stages (`PrefillTimeline`), observed in `splitserve_prefill_stage_seconds{stage}`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import grpc
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol.convert import ProtocolError, check_request, logprob_to_pb, params_from_pb
 from splitserve.common.protocol.service import MalformedMessage
+from splitserve.common.tasks import settle
 from splitserve.common.worker_metrics import WORKER_REQUESTS
 from splitserve.engine.interface import BadTicket, HandoverFailed, PrefillHandover, ServingEngine
 from splitserve.prefill_worker.metrics import PrefillTimeline
@@ -71,10 +72,7 @@ class PrefillService:
             return await self._prefill(first.request, ticket, received, context)
         finally:
             reader.cancel()
-            if not ticket.done():
-                ticket.cancel()
-            elif not ticket.cancelled():
-                ticket.exception()  # observed: the call's outcome already says what failed
+            settle(ticket)  # the call's outcome already says what failed
 
     async def _prefill(self, req: pb.PrefillRequest, ticket: asyncio.Future[bytes], received: float,
                        context: grpc.aio.ServicerContext) -> pb.PrefillResponse:

@@ -146,18 +146,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return len(self._streams)
 
     async def Prefill(self, request, context):
-        handler = await self._serve("prefill", request, context)
+        return await self._answer("prefill", request, context)
+
+    async def PrefillEarly(self, request_iterator, context):
+        return await self._answer("prefill_early", request_iterator, context)
+
+    async def _answer(self, method: str, request, context):
+        """A call with one answer, counted outstanding while the service works on it."""
+        handler = await self._serve(method, request, context)
         self.outstanding += 1
         try:
             return await handler(request, context)
-        finally:
-            self.outstanding -= 1
-
-    async def PrefillEarly(self, request_iterator, context):
-        handler = await self._serve("prefill_early", request_iterator, context)
-        self.outstanding += 1
-        try:
-            return await handler(request_iterator, context)
         finally:
             self.outstanding -= 1
 

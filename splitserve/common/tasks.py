@@ -11,6 +11,17 @@ from typing import Any
 log = logging.getLogger("splitserve.tasks")
 
 
+def settle(future: asyncio.Future | None) -> None:
+    """Let go of a task or future whose outcome no longer matters: cancel it if it is still running, or observe
+    its error if it already failed (the caller reports what matters; nothing is left "never retrieved")."""
+    if future is None:
+        return
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
+
+
 class TaskOwner:
     def __init__(self, name: str) -> None:
         self.name = name
