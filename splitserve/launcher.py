@@ -10,7 +10,6 @@ Redis) die with the launcher even if it is killed (PR_SET_PDEATHSIG, which each 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -168,17 +167,31 @@ class Launcher:
         return False
 
     def stop(self) -> None:
-        """SIGTERM everything; whatever has not exited once the drain period is over gets SIGKILL."""
+        """SIGTERM the workers and gateways, and once they are gone Redis (their close talks to it); whatever has
+        not exited once the drain period is over gets SIGKILL. Every 15 s it logs who is still running."""
         spec = self.resource.spec
         grace = max(spec.prefill.drain_seconds, spec.decode.drain_seconds) + 10.0
-        for _, p in self.procs:
+        users = [(n, p) for n, p in self.procs if n != "redis"]
+        self._stop_group(users, grace)
+        self._stop_group([(n, p) for n, p in self.procs if n == "redis"], 10.0)
+        self._dir.cleanup()
+
+    @staticmethod
+    def _stop_group(procs: list[tuple[str, subprocess.Popen]], grace: float) -> None:
+        for _, p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for _, p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(max(0.0, deadline - time.monotonic()))
-        for name, p in self.procs:
+        start = time.monotonic()
+        next_report = start + 15.0
+        while time.monotonic() - start < grace:
+            running = [n for n, p in procs if p.poll() is None]
+            if not running:
+                return
+            if time.monotonic() >= next_report:
+                next_report += 15.0
+                log.info("stopping: still waiting for %s", ", ".join(running))
+            time.sleep(0.05)
+        for name, p in procs:
             if p.poll() is None:
                 log.warning("%s did not exit %.0f s after SIGTERM: killing it", name, grace)
                 p.kill()
@@ -186,7 +199,6 @@ class Launcher:
                     p.wait(10)
                 except subprocess.TimeoutExpired:
                     log.error("%s (pid %d) did not die after SIGKILL", name, p.pid)
-        self._dir.cleanup()
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -70,13 +70,17 @@ class Up:
             return json.loads(r.read())
 
     def stop(self) -> int:
+        """SIGTERM; `up` stops its workers within their drain period (120 s by default) and then Redis. Past that
+        it is killed and the failure shows its last log lines (who it was still waiting for)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(150)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+                raise AssertionError("splitserve up did not stop 150 s after SIGTERM:\n"
+                                     + "".join(self.stderr[-20:])) from None
         return self.proc.returncode
 
 
