@@ -113,14 +113,15 @@ def test_a_resumed_request_replaces_its_blocks_and_nothing_is_stored_without_wri
 def test_the_connector_settings_travel_in_the_kv_transfer_config():
     spec = ClusterResource.model_validate({"metadata": {"name": "t"}, "spec": {
         "engine": "vllm", "mode": "colocated", "model": {"device": "cpu"}, "redis": {"url": "redis://10.0.0.9:6379"},
-        "kvPool": {"enabled": True, "minLoadTokens": 96, "writeFrom": ["prefill"]}}}).spec
+        "kvPool": {"enabled": True, "minLoadTokens": 96, "writeFrom": ["prefill"], "lookupTimeoutSeconds": 0.05}}}).spec
     cmd = command(spec, "both", "/m", PORTS, pool_identity=("w-1.vllm-pool", "abc"))
     transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector"] == "SplitservePoolConnector" and transfer["kv_load_failure_policy"] == "recompute"
     assert transfer["kv_connector_module_path"] == "splitserve.vllm_engine.pool_connector"
     settings = PoolSettings.from_extra(transfer["kv_connector_extra_config"])
-    assert (settings.model, settings.worker, settings.instance_id, settings.min_load_tokens, settings.write) == (
-        "smollm2", "w-1.vllm-pool", "abc", 96, False)  # a colocated worker writes as decode does
+    # a colocated worker writes as decode does: not with writeFrom [prefill]
+    assert (settings.model, settings.worker, settings.instance_id, settings.min_load_tokens, settings.write,
+            settings.lookup_timeout_seconds) == ("smollm2", "w-1.vllm-pool", "abc", 96, False, 0.05)
     assert "redis://" not in " ".join(cmd)  # the URL goes in the environment, not on the command line
     assert environment(spec, "both", PORTS, "h")["SPLITSERVE_REDIS_URL"] == "redis://10.0.0.9:6379"
     disagg = ClusterResource.model_validate({"metadata": {"name": "t"}, "spec": {

@@ -127,6 +127,7 @@ def pool_extra_config(spec: ClusterSpec, role: str, identity: tuple[str, str] | 
     p = spec.kv_pool
     settings = {"model": spec.model.served_name, "write": ("decode" if role == "both" else role) in p.write_from,
                 "min_load_tokens": p.min_load_tokens, "read_timeout_seconds": p.read_timeout_seconds,
+                "lookup_timeout_seconds": p.lookup_timeout_seconds,
                 "write_queue_blocks": p.write_queue_blocks, "ttl_seconds": p.ttl_seconds}
     if identity is not None:
         settings["worker"], settings["instance_id"] = identity

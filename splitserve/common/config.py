@@ -371,6 +371,9 @@ class KVPoolSpec(Spec):
     measured read bandwidth) is below recomputing. None: always load past minLoadTokens."""
     read_timeout_seconds: Seconds = 5.0
     """A pool read slower than this is abandoned and the prompt recomputed."""
+    lookup_timeout_seconds: Seconds = 0.2
+    """engine vllm: the scheduler's pool lookup (one pipelined EXISTS inside vLLM's scheduling loop) is given up
+    after this and the prompt computed. Native workers bound lookup and read together by readTimeoutSeconds."""
     write_queue_blocks: Annotated[int, Field(ge=1)] = 4096
     """Blocks waiting to be written at most; past it new ones are dropped (and counted), never waited for."""
     blocks_per_copy: Annotated[int, Field(ge=1)] = 32
