@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -64,6 +65,21 @@ def fetch_model(name: str) -> None:
     except ModelNotFoundError as e:
         fail(str(e))
     click.echo(str(path))
+
+
+@app.command("vllm-connector")
+@click.argument("directory", type=click.Path(file_okay=False))
+def vllm_connector(directory: str) -> None:
+    """Copy the KV pool's vLLM connector (and redis-py) into DIRECTORY, for a vLLM image without splitserve:
+    run its server with PYTHONPATH=DIRECTORY (worker pods with engine vllm and kvPool do this in an init
+    container)."""
+    from splitserve.vllm_engine.connector_files import copy_connector
+
+    try:
+        written = copy_connector(Path(directory))
+    except (OSError, RuntimeError) as e:
+        fail(f"cannot write the connector into {directory}: {e}")
+    click.echo(f"{len(written)} files in {directory}")
 
 
 def _prepare(resource: ClusterResource) -> None:

@@ -172,7 +172,7 @@ def test_the_worker_mirrors_the_connectors_counters_from_the_first_reading_on():
 
 
 def test_a_pods_vllm_server_gets_the_pools_redis_from_the_secret_and_names_itself():
-    from test_operator_render import VLLM, containers, flag, objects
+    from test_operator_render import VLLM, VLLM_IMAGE, containers, flag, objects, pod
 
     objs = objects({**VLLM, "kvPool": {"enabled": True},
                     "redis": {"mode": "external", "urlSecret": {"name": "r", "key": "url"}}})
@@ -181,6 +181,41 @@ def test_a_pods_vllm_server_gets_the_pools_redis_from_the_secret_and_names_itsel
     connectors = json.loads(flag(server["command"], "--kv-transfer-config"))["kv_connector_extra_config"]["connectors"]
     assert [c["kv_connector"] for c in connectors] == ["NixlConnector", "SplitservePoolConnector"]
     assert "worker" not in connectors[1]["kv_connector_extra_config"]["splitserve_pool"]  # named after the pod
+    # the stock vLLM image lacks splitserve: an init container of the worker image copies the connector into a
+    # volume the server reads from its PYTHONPATH
+    spec = pod(objs, "decode")
+    init = {c["name"]: c for c in spec["initContainers"]}["pool-connector"]
+    assert init["image"] == "ghcr.io/splitserve/worker:0.1.0" and server["image"] == VLLM_IMAGE
+    assert init["command"] == ["splitserve", "vllm-connector", "/opt/splitserve/python"]
+    assert init["volumeMounts"] == [{"name": "pool-connector", "mountPath": "/opt/splitserve/python"}]
+    assert {"name": "pool-connector", "mountPath": "/opt/splitserve/python", "readOnly": True} in server["volumeMounts"]
+    assert {"name": "PYTHONPATH", "value": "/opt/splitserve/python"} in server["env"]
+    assert {"name": "pool-connector", "emptyDir": {}} in spec["volumes"]
+    assert "initContainers" not in pod(objects(VLLM), "decode")  # without the pool, nothing to copy
+
+
+def test_the_connector_imports_from_its_copied_files_alone(tmp_path):
+    """What the init container copies is enough: vLLM (installed here) imports the connector from the copy, with
+    this checkout's splitserve and redis-py hidden."""
+    res = subprocess.run([str(Path(sys.executable).parent / "splitserve"), "vllm-connector", str(tmp_path / "py")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith(str(tmp_path / "py")), res.stderr
+    probe = f"""
+import sys
+sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # this checkout's splitserve
+sys.path = [{str(tmp_path / "py")!r}] + [p for p in sys.path if p]
+import redis, splitserve.vllm_engine.pool_connector as c
+print(c.__file__, redis.__file__, c.SplitservePoolConnector.__name__)
+"""
+    res = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    connector, redis_file, name = res.stdout.split()
+    assert connector.startswith(str(tmp_path / "py")) and redis_file.startswith(str(tmp_path / "py"))
+    assert name == "SplitservePoolConnector"
+    bad = subprocess.run([str(Path(sys.executable).parent / "splitserve"), "vllm-connector", "/proc/no/such"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "/proc/no/such" in bad.stderr, bad.stderr
 
 
 def test_an_unreachable_redis_answers_the_default_at_once_and_is_left_alone_for_a_moment():

@@ -45,6 +45,7 @@ _REDIS_UNITS = {"b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 VLLM_SIDECAR_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
 VLLM_SHM_SIZE = "16Gi"  # the vLLM container's /dev/shm unless kubernetes.shmSize says otherwise
 VLLM_USER = "splitserve"  # $USER: torch's getpass.getuser() fails on a uid the image's /etc/passwd lacks
+CONNECTOR_VOLUME, CONNECTOR_DIR = "pool-connector", "/opt/splitserve/python"  # engine vllm with kvPool
 VLLM_PROBE_PERIOD = 10  # seconds between the vLLM server's startup (and liveness) probes
 _POD_IP = "$(POD_IP)"  # what `environment` is given as the side-channel host; rendered from the downward API
 _VLLM_HEALTH = "import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=4)"
@@ -147,6 +148,17 @@ def _fetch_models(resource: ClusterResource, mounts: list[dict[str, Any]],
              "securityContext": _security_context(resource)} for n in wanted]
 
 
+def _pool_connector(resource: ClusterResource, resources: dict[str, Any]) -> dict[str, Any]:
+    """The init container that copies the KV pool's vLLM connector (splitserve's modules it imports, redis-py)
+    into the volume the vLLM container puts on its PYTHONPATH: `images.vllm` may be the stock image."""
+    images = resource.spec.images
+    return {"name": "pool-connector", "image": images.worker, "imagePullPolicy": images.pull_policy,
+            "command": ["splitserve", "vllm-connector", CONNECTOR_DIR],
+            "resources": _cpu_and_memory(resources),
+            "volumeMounts": [{"name": CONNECTOR_VOLUME, "mountPath": CONNECTOR_DIR}],
+            "securityContext": _security_context(resource)}
+
+
 def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}
 
@@ -217,10 +229,13 @@ def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleS
         server, server_volumes = _vllm_server(resource, role, spec, resources)
         containers.append(server)
         volumes += server_volumes
+    init = _fetch_models(resource, mounts, resources)
+    if vllm and resource.spec.kv_pool.enabled:
+        init.append(_pool_connector(resource, resources))
     pod: dict[str, Any] = {
         # SIGTERM starts the drain (the worker leaves the registry, finishes what is in flight, exits).
         "terminationGracePeriodSeconds": math.ceil(spec.drain_seconds) + names.DRAIN_MARGIN_SECONDS,
-        "initContainers": _fetch_models(resource, mounts, resources),
+        "initContainers": init,
         "containers": containers,
         "volumes": volumes,
         "hostIPC": k8s.host_ipc,  # outside the restricted (and baseline) standard: only when asked for
@@ -275,6 +290,10 @@ def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
         mounts.append({"name": "cache", "mountPath": names.CACHE_DIR, "readOnly": True})
     if k8s.model_volume:
         mounts.append({"name": "model", "mountPath": k8s.model_mount_path, "readOnly": True})
+    if cluster.kv_pool.enabled:  # the connector vLLM imports, copied by the `pool-connector` init container
+        volumes.append({"name": CONNECTOR_VOLUME, "emptyDir": {}})
+        mounts.append({"name": CONNECTOR_VOLUME, "mountPath": CONNECTOR_DIR, "readOnly": True})
+        env.append({"name": "PYTHONPATH", "value": CONNECTOR_DIR})
     health = _VLLM_HEALTH.format(port=v.port)
     wait = _WAIT_FOR_WORKER.format(seconds=math.ceil(spec.drain_seconds), port=spec.metrics_port)
     container: dict[str, Any] = {
