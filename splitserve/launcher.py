@@ -39,14 +39,16 @@ class Launcher:
         self._reported: set[str] = set()
         self.retired: set[str] = set()  # workers drained on purpose (scale-down): their exit is no failure
         self._next_index: dict[str, int] = {"prefill": 0, "decode": 0}
+        self._vllm_slot, self._vllm_slots = 0, 1  # engine vllm on CPU: the next server's cores, of how many
         spec = self.resource.spec
         self.components: dict = {"router": f"http://{host}:{spec.router.port}", "prefill": [], "decode": []}
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-")
         self.config_path = Path(self._dir.name) / "cluster.yaml"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = dying_with_me([sys.executable, "-m", "splitserve.cli", *args])
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                env={**os.environ, **env} if env else None)
         self.procs.append((name, proc))
         return proc
 
@@ -61,6 +63,7 @@ class Launcher:
         planned = [(name, role, free_port(self.host), free_port(self.host)) for name, role in workers]
         spec.membership.prefill = [f"{self.host}:{p}" for _, role, p, _ in planned if role == "prefill"]
         spec.membership.decode = [f"{self.host}:{p}" for _, role, p, _ in planned if role != "prefill"]
+        self._vllm_slots = len(planned)
         threads = max(1, (os.cpu_count() or 1) // len(planned))
         for name, role in (("prefill", spec.prefill), ("decode", spec.decode)):
             if not role.engine.threads and spec.engine_of(name) == "native":  # vLLM binds its own threads
@@ -107,12 +110,28 @@ class Launcher:
 
     def _start_worker(self, name: str, role: str, port: int, mport: int) -> dict:
         proc = self._spawn(name, ["worker", "--role", role, "--port", str(port), "--metrics-port", str(mport),
-                                  "--name", name, "--config", str(self.config_path), "--host", self.host])
+                                  "--name", name, "--config", str(self.config_path), "--host", self.host],
+                           self._vllm_cpu_env(role))
         key = "prefill" if role == "prefill" else "decode"
         self._next_index[key] += 1
         info = {"name": name, "grpc": f"{self.host}:{port}", "metrics": f"http://{self.host}:{mport}", "pid": proc.pid}
         self.components[key].append(info)
         return info
+
+    def _vllm_cpu_env(self, role: str) -> dict[str, str] | None:
+        """Engine vllm on CPU: each server's OpenMP threads on cores of its own (the next slot of as many as
+        planned workers), unless VLLM_CPU_OMP_THREADS_BIND is set already."""
+        spec = self.resource.spec
+        if spec.engine_of(role) != "vllm" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+            return None
+        from splitserve.vllm_engine.server import cpu_binding, is_cpu
+
+        if not is_cpu(spec):
+            return None
+        slot, self._vllm_slot = self._vllm_slot, self._vllm_slot + 1
+        ranks = spec.model.tensor_parallel_size * spec.role(role).engine.data_parallel_size
+        binding = cpu_binding(slot, max(1, self._vllm_slots), ranks)
+        return {"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else None
 
     def add_worker(self, pool: str) -> str:
         """Start one more worker of `pool` (prefill, or decode: colocated workers in colocated mode); its name."""

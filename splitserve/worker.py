@@ -283,15 +283,18 @@ class ClusterPresence:
 
 
 async def _drain(servicer: WorkerServicer, seconds: float) -> None:
-    """Let the calls in flight finish for up to `seconds`; then tell the streams still running to move."""
+    """Let the calls in flight finish for up to `seconds`; then tell the streams still running to move. A worker
+    whose engine died waits for nothing: its calls cannot finish here."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
-    while servicer.outstanding and loop.time() < deadline:
+    while servicer.outstanding and not servicer.dead and loop.time() < deadline:
         await asyncio.sleep(0.05)
     moved = servicer.move_streams()
     if moved:
-        log.warning("worker %s: drain time ran out; %d streams move to other workers", servicer.role, moved)
-        while servicer.outstanding and loop.time() < deadline + STOP_GRACE_SECONDS:
+        why = "its engine died" if servicer.dead else "drain time ran out"
+        log.warning("worker %s: %s; %d streams move to other workers", servicer.role, why, moved)
+        end = loop.time() + STOP_GRACE_SECONDS
+        while servicer.outstanding and loop.time() < end:
             await asyncio.sleep(0.05)  # their last message goes out
 
 

@@ -112,7 +112,7 @@ def test_flags_are_generated_from_the_model():
 
 
 def test_up_serves_the_example_file():
-    """...and disaggregates: a short chat and a burst of conversation-sized prompts (12 x 1000 tokens, as the
+    """...and disaggregates: a short chat and a burst of conversation-sized prompts (12 x 1000 tokens, twice what the
     README's trace replay sends; more than 512 MiB of SmolLM2 KV holds) all go to the prefill worker: none is
     prefilled on the decode worker for want of KV blocks or for being short. (A transfer that times out on a
     loaded box falls back to a local prefill; that is not what this checks.)"""

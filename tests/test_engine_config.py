@@ -96,6 +96,9 @@ def test_the_vllm_command_follows_the_model():
     assert flags["--model"] == "/models/m" and flags["--port"] == "8200" and flags["--host"] == "127.0.0.1"
     assert flags["--block-size"] == "32" and flags["--max-num-seqs"] == "7" and flags["--dtype"] == "float32"
     assert flags["--max-model-len"] == "2048" and "--enforce-eager" in cmd  # eager on CPU
+    auto = cluster(engine="vllm", model={"device": "cpu"}).spec  # auto: float32 on CPU, as for native workers
+    auto_cmd = command(auto, "decode", "/models/m", PORTS)
+    assert auto_cmd[auto_cmd.index("--dtype") + 1] == "float32"
     transfer = json.loads(flags["--kv-transfer-config"])
     assert transfer["kv_connector"] == "NixlConnector" and transfer["kv_load_failure_policy"] == "recompute"
     events = json.loads(flags["--kv-events-config"])
@@ -185,3 +188,14 @@ def test_data_parallel_ranks_reach_vllm_and_count_as_gpus():
     assert flags["--tensor-parallel-size"] == "2" and flags["--data-parallel-size"] == "4"
     assert "--enable-expert-parallel" in cmd and spec.gpus_per_worker("both") == 8
     assert "--data-parallel-size" not in command(cluster(engine="vllm").spec, "decode", "/m", PORTS)
+
+
+def test_vllm_cpu_servers_on_one_host_get_cores_of_their_own(monkeypatch):
+    from splitserve.vllm_engine.server import cpu_binding
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(8)))
+    assert [cpu_binding(i, 2, 1) for i in range(3)] == ["0,1,2,3", "4,5,6,7", "0,1,2,3"]  # a third wraps around
+    assert cpu_binding(1, 2, 2) == "4,5|6,7"  # one list per tensor-parallel rank
+    assert cpu_binding(0, 3, 1) == "0,1" and cpu_binding(2, 3, 1) == "4,5"
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0})
+    assert cpu_binding(1, 2, 1) is None  # fewer cores than servers: vLLM's own binding

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -57,6 +58,17 @@ def test_health_names_the_engine_of_every_worker(pd):
     workers = health(pd)["workers"]
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
     assert all(w["engine"] == "vllm" for w in workers), workers
+
+
+def test_each_vllm_server_has_cores_of_its_own(pd):
+    """vLLM binds a CPU server's OpenMP threads to every core; two servers sharing them wait on each other's
+    barriers (seconds a token), so `up` gives each its own."""
+    binds = []
+    for role in ("prefill", "decode"):
+        pid, _ = vllm_server_of(pd.components[role][0]["pid"])
+        env = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+        binds.append(set(env["VLLM_CPU_OMP_THREADS_BIND"].replace("|", ",").split(",")))
+    assert binds[0] and binds[1] and not binds[0] & binds[1], binds
 
 
 def test_streams_and_prefills_remotely_over_nixl(pd):

@@ -72,7 +72,8 @@ class ModelSpec(Spec):
     tokenizer: str | None = None
     """Where the tokenizer files are, when the model directory has none (dummy weights)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights and KV cache dtype; auto is bfloat16 on CUDA and float32 on CPU."""
+    """Weights and KV cache dtype; auto is float32 on CPU, and on CUDA bfloat16 (engine vllm: the model's own
+    dtype, vLLM's rule)."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     """auto, cpu, cuda or cuda:N."""
     max_model_len: Annotated[int, Field(ge=16)] | None = None
