@@ -158,17 +158,17 @@ def test_redis_killed_mid_run_every_request_succeeds():
 def test_eviction_under_maxmemory_degrades_gracefully():
     """A pool far smaller than the working set: Redis evicts blocks LRU, loads of evicted blocks are misses,
     recent prompts still hit, and no request fails."""
-    redis = RedisServer(extra=("--maxmemory", "80mb", "--maxmemory-policy", "volatile-lru"))
+    redis = RedisServer(extra=("--maxmemory", "40mb", "--maxmemory-policy", "volatile-lru"))
     up = pool_cluster("--redis-url", redis.url)
     try:
-        for seed in range(10, 16):  # six 37-block prompts: ~160 MB of blocks into 80 MB
+        for seed in range(10, 13):  # three 37-block prompts: ~80 MB of blocks into 40 MB
             complete(up.url, long_prompt(seed))
         assert int(redis.cli("info", "stats").split("evicted_keys:")[1].split()[0]) > 0
-        for seed in (15, 10):  # the newest prompt can hit; the oldest was evicted
+        for seed in (12, 10):  # the newest prompt can hit; the oldest was evicted
             complete(up.url, long_prompt(seed))
         hits = sum(pool_metric(up, i, "splitserve_kv_pool_hit_tokens_total") for i in (0, 1))
         written = sum(pool_metric(up, i, "splitserve_kv_pool_blocks_written_total") for i in (0, 1))
-        assert hits > 0 and written >= 6 * 30
+        assert hits > 0 and written >= 3 * 30
     finally:
         up.stop()
         redis.close()
