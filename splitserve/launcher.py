@@ -39,7 +39,6 @@ class Launcher:
         self._reported: set[str] = set()
         self.retired: set[str] = set()  # workers drained on purpose (scale-down): their exit is no failure
         self._next_index: dict[str, int] = {"prefill": 0, "decode": 0}
-        self._vllm_slot, self._vllm_slots = 0, 1  # engine vllm on CPU: the next server's cores, of how many
         spec = self.resource.spec
         self.components: dict = {"router": f"http://{host}:{spec.router.port}", "prefill": [], "decode": []}
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-")
@@ -63,7 +62,6 @@ class Launcher:
         planned = [(name, role, free_port(self.host), free_port(self.host)) for name, role in workers]
         spec.membership.prefill = [f"{self.host}:{p}" for _, role, p, _ in planned if role == "prefill"]
         spec.membership.decode = [f"{self.host}:{p}" for _, role, p, _ in planned if role != "prefill"]
-        self._vllm_slots = len(planned)
         threads = max(1, (os.cpu_count() or 1) // len(planned))
         for name, role in (("prefill", spec.prefill), ("decode", spec.decode)):
             if not role.engine.threads and spec.engine_of(name) == "native":  # vLLM binds its own threads
@@ -119,8 +117,8 @@ class Launcher:
         return info
 
     def _vllm_cpu_env(self, role: str) -> dict[str, str] | None:
-        """Engine vllm on CPU: each server's OpenMP threads on cores of its own (the next slot of as many as
-        planned workers), unless VLLM_CPU_OMP_THREADS_BIND is set already."""
+        """Engine vllm on CPU: each server's OpenMP threads on cores of its own (the slot after the workers started
+        so far, of as many as the plan has), unless VLLM_CPU_OMP_THREADS_BIND is set already."""
         spec = self.resource.spec
         if spec.engine_of(role) != "vllm" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
             return None
@@ -128,9 +126,9 @@ class Launcher:
 
         if not is_cpu(spec):
             return None
-        slot, self._vllm_slot = self._vllm_slot, self._vllm_slot + 1
+        slot, slots = sum(self._next_index.values()), len(spec.membership.prefill) + len(spec.membership.decode)
         ranks = spec.model.tensor_parallel_size * spec.role(role).engine.data_parallel_size
-        binding = cpu_binding(slot, max(1, self._vllm_slots), ranks)
+        binding = cpu_binding(slot, max(1, slots), ranks)  # a plan may start no worker (autoscaled from 0)
         return {"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else None
 
     def add_worker(self, pool: str) -> str:

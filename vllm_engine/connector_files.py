@@ -12,7 +12,7 @@ import importlib.util
 import shutil
 from pathlib import Path
 
-# splitserve's modules the connector imports (tests/test_vllm_connector_files.py imports it from a copy alone)
+# splitserve's modules the connector imports (tests/test_vllm_pool_plan.py imports it from a copy alone)
 CONNECTOR_MODULES = ("splitserve", "splitserve.common", "splitserve.common.hashing", "splitserve.common.redis_wire",
                      "splitserve.vllm_engine", "splitserve.vllm_engine.pool_plan",
                      "splitserve.vllm_engine.pool_connector")
@@ -32,8 +32,8 @@ def copy_connector(dest: Path) -> list[Path]:
     written = []
     for name in CONNECTOR_MODULES:
         source, package = _origin(name)
-        target = dest.joinpath(*name.split("."), "__init__.py") if package else \
-            dest.joinpath(*name.split(".")[:-1], name.rsplit(".", 1)[-1] + ".py")
+        parts = name.split(".")
+        target = dest.joinpath(*parts, "__init__.py") if package else dest.joinpath(*parts[:-1], parts[-1] + ".py")
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
         written.append(target)
