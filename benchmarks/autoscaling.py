@@ -131,6 +131,9 @@ def task_policy(case: TraceCase, duration: float | None, gpus: int, policy: str,
         law, _, start = policy.partition("@")  # law@PxD: start from P prefill + D decode replicas
         if start:
             initial = tuple(int(x) for x in start.split("x"))  # type: ignore[assignment]
+        law, _, floors = law.partition("+min")  # law+minPxD: an operator's minReplicas of P prefill and D decode
+        if floors:
+            exp.spec.prefill.min_replicas, exp.spec.decode.min_replicas = (int(x) for x in floors.split("x"))
         if law == "slo_warm2":
             exp.spec.autoscaling.warm_replicas = 2
         res = simulate(exp.requests, settings_of(exp), exp.law(law.removesuffix("_warm2")), initial)
@@ -548,7 +551,8 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=64, help="GPU budget")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--plot", action="store_true")
-    ap.add_argument("--only", default="", help="run just these policies (law or law@PxD: another start), "
+    ap.add_argument("--only", default="", help="run just these policies (law, law@PxD: another start, "
+                    "law+minPxD: with minReplicas P prefill and D decode), "
                     "added to the results file's; 'cold' = " + ",".join(COLD))
     ap.add_argument("--robustness", action="store_true",
                     help="each --only law (default slo) under another seed, +-20%% profile error and 30/120 s cold "
