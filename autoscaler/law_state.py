@@ -12,7 +12,7 @@ from typing import Any
 
 ROLES = ("prefill", "decode")
 STATE_VERSION = 1  # bump when a field changes meaning; an older or newer state is refused, not guessed at
-_TIMES = ("last_up", "last_change", "planned_at", "last_down", "last_burst", "peak_at")  # s; -inf = never (null in JSON)
+_TIMES = ("last_up", "last_change", "planned_at", "last_down", "last_burst", "peak_at", "floor_at")  # s; -inf = never (null in JSON)
 _SERIES = ("history", "recent")  # [[s, value], ...]
 
 
@@ -34,6 +34,9 @@ class RoleState:
     hold_s: float = 0.0  # s, the stabilisation window now (0: the scale-down cooldown); grows on regret
     peak_need: float = 0.0  # replicas, the largest burst need seen (at peak_at; it decays from there)
     peak_at: float = -math.inf  # s
+    down_from: int = 0  # replicas the role had before its last scale-down
+    floor: float = 0.0  # replicas a burst after a scale-down proved standing (decode), learned at floor_at; decays
+    floor_at: float = -math.inf  # s
 
 
 @dataclass(frozen=True)

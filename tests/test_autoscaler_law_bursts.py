@@ -106,3 +106,50 @@ def test_prefill_queue_budget_is_what_a_long_prompt_s_prefill_leaves_of_the_ttft
     assert factor_after(1.5) == pytest.approx(1.0)  # p99 1.5 s is not under half the budget: neither way
     assert factor_after(0.8) > 1.0  # the whole tail well inside: fuller
     assert factor_after(1.9) < 1.0
+
+
+def test_prefill_scale_down_keeps_what_its_busiest_recent_window_needed():
+    """A clump the ready prefill replicas absorb (no queue, no miss: no burst) in one window of a quiet pool: the
+    plan smooths it over a minute (2.25 replicas: 3), but scale-down stays at what that window needed at full
+    utilisation (6 replicas' load over 0.8 -> 8) while the window is within the stabilisation window."""
+    cfg = config(scale_down_cooldown_s=120.0, burst_memory_s=0.0)
+    quiet = dict(p=10, prefill_tok_s=1.0 * PREFILL_TOK_S, **KW)
+    stream = (steady(0, 6, **quiet) + [obs(90, p=10, prefill_tok_s=6.0 * PREFILL_TOK_S, **KW)]
+              + steady(105, 30, **quiet))
+    decisions = run(stream, cfg)
+    assert not any(d.prefill.action == "up" for d in decisions)
+    downs = [d for d in decisions if d.prefill.action == "down"]
+    assert downs[0].time == 120 and downs[0].prefill.desired == 8  # the clump's window is within the last 120 s
+    assert downs[1].time == 240 and downs[1].prefill.desired == 3  # the plan's 2.25 / 0.8, once it has left
+    assert decisions[-1].prefill.desired == 2  # ceil(1 / 0.8)
+
+
+def test_decode_learns_a_floor_from_a_burst_after_a_scale_down():
+    """Decode scales down from 4 to 2 in a quiet spell; a burst of requests waiting for KV then shows that scale-down
+    cut into standing capacity: decode keeps min(4, the burst's target: the 2 ready + 1) = 3 as a floor, halving
+    every floor_memory_s, where without the floor it goes back to 2 once the burst's stabilisation window has
+    passed."""
+    busy = steady(0, 10, p=2, d=4, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=3.0 * DECODE_TOK_S)
+    quiet = steady(150, 20, p=2, d=4, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S)
+
+    def stream(cfg):
+        down = next(d for d in run(busy + quiet, cfg) if d.decode.action == "down")
+        t = down.time + 120
+        before = [o for o in busy + quiet if o.time <= down.time]
+        calm = [o for o in steady(down.time + 15, 40, p=2, d=4, prefill_tok_s=1.0 * PREFILL_TOK_S,
+                                  out_tok_s=1.0 * DECODE_TOK_S) if o.time < t]
+        burst = [obs(t, p=2, d=2, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S, d_waiting=300,
+                     d_running=20, kv=0.99)]
+        after = steady(t + 15, 60, p=2, d=4, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S)
+        return down, run(before + calm + burst + after, cfg)
+
+    down, kept = stream(config(scale_down_cooldown_s=120.0, scale_up_cooldown_s=0.0, burst_memory_s=0.0,
+                               floor_memory_s=3600.0))
+    _, gone = stream(config(scale_down_cooldown_s=120.0, scale_up_cooldown_s=0.0, burst_memory_s=0.0,
+                            floor_memory_s=0.0))
+    assert down.decode.current == 4 and down.decode.desired == 2
+    up = next(d for d in kept if d.time > down.time and d.decode.action == "up")
+    assert up.state.decode.floor == 3.0 and up.decode.desired == 3
+    assert kept[-1].time - up.time >= 900
+    assert kept[-1].decode.desired == 3  # 900 s on, the floor has decayed to 3 * 0.5 ** (900 / 3600) = 2.5
+    assert gone[-1].decode.desired == 2
