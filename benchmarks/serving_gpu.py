@@ -295,7 +295,9 @@ def _trace_scale(trace_dir: Path, trace: str, n: int, rate: float) -> float:
     return (n - 1) / rate / span if span > 0 else 1.0
 
 
-def bench(args, url: str, trace: str, rate: float) -> dict:
+def bench(args, url: str, trace: str, rate: float, seed: int = 0) -> dict:
+    """One `splitserve bench` run. `seed` picks the prompts' token ids: each run on a cluster takes its own, so a
+    repeated rate meets a cold prefix cache as the first did (every mode runs the same seeds in the same order)."""
     n = max(8, int(rate * args.duration))
     cmd = [str(Path(sys.executable).parent / "splitserve"), "bench", "--url", url, "--model", args.shape,
            "--trace", str(args.trace_dir / TRACE_FILES[trace]), "--num-requests", str(n),
@@ -303,7 +305,7 @@ def bench(args, url: str, trace: str, rate: float) -> dict:
            "--max-input-len", str(args.max_input_len),
            "--max-output-len", str(args.max_output_len), "--slo-ttft", str(args.slo_ttft),
            "--slo-itl", str(args.slo_itl), "--vocab-low", "1", "--vocab-high",
-           str(SHAPES[args.shape]["vocab_size"]), "--json", "--no-progress", "--timeout", "300"]
+           str(SHAPES[args.shape]["vocab_size"]), "--seed", str(seed), "--json", "--no-progress", "--timeout", "300"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration * 4 + 600)
     if out.returncode != 0:
         raise RuntimeError(f"bench failed: {out.stderr[-2000:]}")
@@ -377,11 +379,13 @@ def _measure_cluster(args, model: Path, logs: Path, key: str, mode: str, workers
             if before is not None:  # where the disaggregated TTFT went, over the same requests
                 res["handover"]["stages_ms"] = stage_means_ms(before, c.stage_totals())
             after_run()
+        runs_here = 0
         for trace, trace_rates in rates.items():
             for rate in trace_rates:
                 before = c.counters()
+                runs_here += 1
                 try:
-                    r = bench(args, c.url, trace, rate)
+                    r = bench(args, c.url, trace, rate, seed=runs_here)
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     print(f"[{key} {mode} {trace} @{rate}] failed: {e}", file=sys.stderr, flush=True)
                     res.setdefault(trace, []).append({"offered_rps": rate, "error": str(e)[-500:]})
