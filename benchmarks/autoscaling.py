@@ -56,7 +56,9 @@ CASES = {
     "mooncake": TraceCase("mooncake", "mooncake_conversation.jsonl", 3.0),
     "bursty": TraceCase("bursty", "generated:bursty", 16.0),
 }
-POLICIES = ("slo", "slo_warm2", "ray", "wva", "dynamo")  # slo_warm2: the same law with autoscaling.warmReplicas 2
+POLICIES = ("slo", "slo_warm2", "ray", "wva", "dynamo", "late_oracle1", "late_oracle3", "late_oracle_all")
+# slo_warm2: the same law with autoscaling.warmReplicas 2; late_oracleN: the oracle's largest plan of the N windows
+# before each window (all: every window so far), a reference for what reading the past better could give
 COLD = ("slo@2x2", "ray@2x2", "wva@2x2", "dynamo@2x2")  # the same laws from a small start (a fresh deployment)
 TARGET = 0.95
 JOIN_QUANTUM_S = 0.02  # decode joins at most 20 ms late (fewer events; see autoscaler/sim/worker.py)
@@ -114,8 +116,8 @@ def task_window(case: TraceCase, duration: float | None, gpus: int, k: int) -> d
             "feasible_met": sum(r.meets(settings.ttft_s, settings.itl_s) for r in feasible)}
 
 
-def task_policy(case: TraceCase, duration: float | None, gpus: int, policy: str, initial: tuple[int, int]
-                ) -> dict[str, Any]:
+def task_policy(case: TraceCase, duration: float | None, gpus: int, policy: str, initial: tuple[int, int],
+                windows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     from splitserve.autoscaler.sim.oracle import best_static
     from splitserve.autoscaler.sim.report import summary
     from splitserve.autoscaler.sim.simulator import simulate
@@ -136,7 +138,17 @@ def task_policy(case: TraceCase, duration: float | None, gpus: int, policy: str,
             exp.spec.prefill.min_replicas, exp.spec.decode.min_replicas = (int(x) for x in floors.split("x"))
         if law == "slo_warm2":
             exp.spec.autoscaling.warm_replicas = 2
-        res = simulate(exp.requests, settings_of(exp), exp.law(law.removesuffix("_warm2")), initial)
+        if law.startswith("late_oracle"):
+            from splitserve.autoscaler.sim.laws import LateOracleLaw
+
+            if not windows:
+                raise ValueError(f"{policy} needs the oracle's windows")
+            plans = [(w["prefill"], w["decode"]) for w in windows]
+            span = len(plans) if law == "late_oracle_all" else int(law.removeprefix("late_oracle"))
+            scaling = LateOracleLaw(plans, exp.window_s, span, interval_s=exp.spec.autoscaling.interval_seconds)
+        else:
+            scaling = exp.law(law.removesuffix("_warm2"))
+        res = simulate(exp.requests, settings_of(exp), scaling, initial)
         out = summary(res) | {"policy": policy, "initial": list(initial)}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     out["timeline"] = [[round(pt.time), pt.prefill["ready"] + pt.prefill["starting"],
@@ -172,8 +184,8 @@ def benchmark(names: list[str], duration: float | None, gpus: int, jobs: int, pl
             upper = f"static<={max(w['prefill'] for w in windows)}x{max(w['decode'] for w in windows)}"
             policies = only or list(POLICIES)
             tasks = ([] if same else [upper]) + policies  # the static search first: it is the longest
-            runs = dict(zip(tasks, pool.map(task_policy, *zip(*[(case, duration, gpus, t, initial) for t in tasks],
-                                                              strict=True)), strict=True))
+            runs = dict(zip(tasks, pool.map(task_policy, *zip(*[(case, duration, gpus, t, initial, windows)
+                                                                 for t in tasks], strict=True)), strict=True))
             best = prev["policies"]["static"] if same else runs[upper]
             rows = {"oracle": {"policy": "oracle", "slo_attainment": round(oracle_met, 4),
                                "feasible_attainment": round(oracle_feasible, 4),

@@ -16,6 +16,7 @@ import pytest
 
 from splitserve.autoscaler.bounds import Bounds
 from splitserve.autoscaler.law import LawConfig
+from splitserve.autoscaler.observations import Observation, RoleObservation
 from splitserve.autoscaler.profile import PROFILE_DIR, ReplicaProfile, StepCost, attn_pairs
 from splitserve.autoscaler.sim import trace
 from splitserve.autoscaler.sim.calibrate import (
@@ -26,7 +27,7 @@ from splitserve.autoscaler.sim.calibrate import (
     kv_case,
     measured_prefill_steps,
 )
-from splitserve.autoscaler.sim.laws import DynamoLoadLaw, SLOLaw, StaticLaw
+from splitserve.autoscaler.sim.laws import DynamoLoadLaw, LateOracleLaw, SLOLaw, StaticLaw
 from splitserve.autoscaler.sim.report import summary
 from splitserve.autoscaler.sim.simulator import SimSettings, Simulation, fresh, simulate
 from splitserve.autoscaler.sim.trace import SimRequest, Status
@@ -116,6 +117,25 @@ def test_every_laws_wish_is_clamped_into_the_bounds():
     res = simulate(mixed(200), bounded, greedy, (1, 2))
     assert max(p.gpus for p in res.timeline) <= 6
     assert all("gpuBudget" in p.reason for p in res.timeline)
+
+
+def test_the_late_oracle_holds_the_largest_plan_of_the_windows_before():
+    """The reference for what reading the past better could give: in window k, the largest of the oracle's plans for
+    the `span` windows before k (window 0: the oracle's first plan, where every law starts), at least 1 replica;
+    the simulator runs it like any law, its scale-ups loading for the cold start."""
+    plans = [(4, 2), (1, 5), (3, 1), (0, 0), (2, 2)]
+    late = LateOracleLaw(plans, window_s=10.0, span=2)
+
+    def at(t: float) -> tuple[int, int]:
+        p, d, _ = late.decide(Observation(t, 1.0, RoleObservation("prefill", 1), RoleObservation("decode", 1)))
+        return p, d
+
+    assert [at(t) for t in (0.0, 9.9, 10.0, 25.0, 35.0, 45.0, 99.0)] == [
+        (4, 2), (4, 2), (4, 2), (4, 5), (3, 5), (3, 1), (2, 2)]
+    assert LateOracleLaw(plans, 10.0, span=len(plans)).decide(
+        Observation(45.0, 1.0, RoleObservation("prefill", 1), RoleObservation("decode", 1)))[:2] == (4, 5)
+    res = simulate(fresh(mixed(200)), SETTINGS, LateOracleLaw([(1, 1), (3, 2)], window_s=5.0, interval_s=1.0), (1, 1))
+    assert max(pt.prefill["ready"] + pt.prefill["starting"] for pt in res.timeline) == 3
 
 
 def test_same_inputs_same_run():

@@ -171,3 +171,24 @@ class DynamoLoadLaw:
             elif n > 1 and est(n - 1) < self.down_fraction * slo:
                 out[role] = ro.replicas - 1
         return out["prefill"], out["decode"], f"est ttft {ttft(p.replicas_ready):.2f} s itl {itl(d.replicas_ready) * 1e3:.0f} ms"
+
+
+@dataclass
+class LateOracleLaw:
+    """A reference, not a law: each oracle window it holds the largest of the oracle's plans for the `span`
+    windows before it (the first window: the oracle's own first plan, where every law starts). It knows exactly
+    what every past window needed, with the oracle's hindsight, and acts on it one window late: what a reactive
+    law could do at best by reading the past better. Scale-ups load for the cold start like any law's."""
+
+    plans: list[tuple[int, int]]  # the oracle's (prefill, decode) per window
+    window_s: float
+    span: int = 1  # windows looked back over (len(plans): every window so far)
+    interval_s: float = 15.0
+    name: str = "late_oracle"
+    kills_on_scale_down: bool = False
+
+    def decide(self, obs: Observation) -> tuple[int, int, str]:
+        k = min(int(obs.time // self.window_s), len(self.plans))
+        past = self.plans[max(0, k - self.span):k] or self.plans[:1]
+        p, d = max(x[0] for x in past), max(x[1] for x in past)
+        return max(1, p), max(1, d), f"the oracle's largest plan of the {len(past)} windows before window {k}"
