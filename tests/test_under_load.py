@@ -101,7 +101,7 @@ def test_overload_with_a_cpu_hog_no_503_no_flaps_no_leaks(tmp_path):
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         rng = random.Random(0)
-        prompts = [[rng.randrange(1000, 30000) for _ in range(600)] for _ in range(48)]
+        prompts = [[rng.randrange(1000, 30000) for _ in range(300)] for _ in range(48)]
 
         async def one(client: httpx.AsyncClient, prompt: list[int]) -> int:
             r = await client.post(up.url + "/v1/completions", json={"model": "smollm2", "prompt": prompt,
