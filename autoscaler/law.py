@@ -273,11 +273,16 @@ def _floor_memory_s(c: LawConfig) -> float:
     return 6 * c.scale_down_cooldown_s if c.floor_memory_s is None else c.floor_memory_s
 
 
+def _decayed(value: float, since: float, now: float, half_life_s: float) -> float:
+    """`value` set at `since`, halved every `half_life_s` after it (0 when the memory is off or empty)."""
+    if half_life_s <= 0 or value <= 0:
+        return 0.0
+    return value * 0.5 ** (max(0.0, now - since) / half_life_s)
+
+
 def _floor(rs: RoleState, now: float, c: LawConfig) -> float:
     """Decode's learned floor (replicas), halved every `floor_memory_s` since it was learned."""
-    if _floor_memory_s(c) <= 0 or rs.floor <= 0:
-        return 0.0
-    return rs.floor * 0.5 ** (max(0.0, now - rs.floor_at) / _floor_memory_s(c))
+    return _decayed(rs.floor, rs.floor_at, now, _floor_memory_s(c))
 
 
 def _learn_floor(rs: RoleState, burst: bool, target: int, now: float, c: LawConfig) -> RoleState:
@@ -321,9 +326,7 @@ def _memory_s(c: LawConfig) -> float:
 
 def _peak(rs: RoleState, now: float, c: LawConfig) -> float:
     """The largest burst need seen, halved every `_memory_s` since it was seen (replicas)."""
-    if _memory_s(c) <= 0 or rs.peak_need <= 0:
-        return 0.0
-    return rs.peak_need * 0.5 ** (max(0.0, now - rs.peak_at) / _memory_s(c))
+    return _decayed(rs.peak_need, rs.peak_at, now, _memory_s(c))
 
 
 def _remember(rs: RoleState, burst: bool, now: float, burst_need: float, c: LawConfig) -> RoleState:
