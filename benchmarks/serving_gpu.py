@@ -298,7 +298,8 @@ def _trace_scale(trace_dir: Path, trace: str, n: int, rate: float) -> float:
 def bench(args, url: str, trace: str, rate: float, seed: int = 0, duration: float | None = None) -> dict:
     """One `splitserve bench` run. `seed` picks the prompts' token ids: each run on a cluster takes its own, so a
     repeated rate meets a cold prefix cache as the first did (every mode runs the same seeds in the same order)."""
-    n = max(8, int(rate * (args.duration if duration is None else duration)))
+    seconds = args.duration if duration is None else duration
+    n = max(8, int(rate * seconds))
     cmd = [str(Path(sys.executable).parent / "splitserve"), "bench", "--url", url, "--model", args.shape,
            "--trace", str(args.trace_dir / TRACE_FILES[trace]), "--num-requests", str(n),
            "--time-scale", f"{_trace_scale(args.trace_dir, trace, n, rate):.6f}",
@@ -306,7 +307,7 @@ def bench(args, url: str, trace: str, rate: float, seed: int = 0, duration: floa
            "--max-output-len", str(args.max_output_len), "--slo-ttft", str(args.slo_ttft),
            "--slo-itl", str(args.slo_itl), "--vocab-low", "1", "--vocab-high",
            str(SHAPES[args.shape]["vocab_size"]), "--seed", str(seed), "--json", "--no-progress", "--timeout", "300"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.duration * 4 + 600)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 4 + 600)
     if out.returncode != 0:
         raise RuntimeError(f"bench failed: {out.stderr[-2000:]}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
