@@ -91,6 +91,13 @@ def experiment(case: TraceCase, duration: float | None, gpus: int, seed: int = 0
     return exp
 
 
+def router_of(exp) -> dict[str, Any]:
+    """What the simulated gateways do with a prompt (results from other settings are not comparable)."""
+    s = settings_of(exp)
+    return {"policy": s.routing, "disagg_threshold": s.disagg_threshold,
+            "spill_prefill_tokens": s.spill_prefill_tokens, "spill_local_tokens": s.spill_local_tokens}
+
+
 def settings_of(exp):
     from dataclasses import replace
 
@@ -167,9 +174,11 @@ def benchmark(names: list[str], duration: float | None, gpus: int, jobs: int, pl
             exp = experiment(case, duration, gpus)
             path = RESULTS / f"autoscaling_{name}.json"
             prev = json.loads(path.read_text()) if reuse and path.exists() else None
+            router = router_of(exp)
             same = prev is not None and (prev["rate_scale"], prev["duration_s"], prev["gpu_budget"], prev["profile"],
-                                         prev["requests"]) == (case.rate_scale, duration, gpus, exp.profile.name,
-                                                               len(exp.requests))
+                                         prev["requests"], prev.get("router")) == (case.rate_scale, duration, gpus,
+                                                                                   exp.profile.name,
+                                                                                   len(exp.requests), router)
             if same:  # the oracle and the best static do not depend on the laws: keep them
                 windows = prev["oracle_windows"]
             else:
@@ -200,7 +209,8 @@ def benchmark(names: list[str], duration: float | None, gpus: int, jobs: int, pl
             result = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
                       "requests": len(exp.requests), "slo": {"ttft_s": exp.spec.slo.ttft_seconds,
                                                              "itl_s": exp.spec.slo.itl_seconds},
-                      "profile": exp.profile.name, "model_load_s": exp.spec.autoscaling.model_load_seconds,
+                      "profile": exp.profile.name, "router": router,
+                      "model_load_s": exp.spec.autoscaling.model_load_seconds,
                       "initial": list(initial), "oracle_windows": windows,
                       "policies": rows, "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
             path.write_text(json.dumps(result, indent=1) + "\n")

@@ -65,7 +65,8 @@ class Gateway:
         self.policy: RoutingPolicy = make_policy(
             spec.router.policy, source=cluster, block_size=model.block_size, threshold=spec.decode.disagg_threshold,
             overlap_weight=kv.overlap_weight, decode_weight=kv.decode_weight, pool_credit=kv.pool_credit,
-            session_slack=kv.session_slack_blocks)
+            session_slack=kv.session_slack_blocks, spill_prefill_tokens=spec.router.spill.prefill_backlog_tokens,
+            spill_local_tokens=spec.router.spill.local_backlog_tokens)
         for reason in self.policy.reasons:
             m.DECISIONS.labels(self.policy.name, reason)
         m.PREFIX_HIT_TOKENS.inc(0)
@@ -165,7 +166,11 @@ class Gateway:
                                 tuple(run.produced))
             bs = self.spec.model.block_size
             blocks = -(-(run.num_prompt + n) // bs)
-            charge = Charge(decode, prefill, blocks, blocks - decision.cached_tokens // bs)
+            # charged to the worker that will compute the prompt: the decode worker prefills short ones itself
+            remote = prefill if run.num_prompt + n >= self.spec.decode.disagg_threshold else None
+            charge = Charge(decode, remote, blocks, blocks - decision.cached_tokens // bs)
+            if decision.spilled:
+                m.SPILLS.inc()
             stream = worker.client.generate(call)
             failed: _Moved | None = None
             fatal: str | None = None  # the worker failed the request for good: another would likely do the same

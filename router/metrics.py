@@ -21,6 +21,8 @@ WORKER_HEALTHY = Gauge("splitserve_worker_healthy", "1 when the gateway sees the
 HEALTH_FLAPS = Counter("splitserve_health_flaps", "Times a worker this gateway saw healthy stopped being so",
                        ["worker", "role"])
 DECISIONS = Counter("splitserve_router_decisions", "Routing decisions by reason", ["policy", "reason"])
+SPILLS = Counter("splitserve_router_prefill_spills",
+                 "Long prompts sent to their decode worker's own prefill because the prefill worker was backed up")
 PREFIX_HIT_TOKENS = Counter("splitserve_router_prefix_hit_tokens",
                             "Prompt tokens the routing decision found cached on the chosen decode worker")
 MIGRATIONS = Counter("splitserve_router_migrations",

@@ -12,7 +12,7 @@ import hashlib
 import inspect
 import itertools
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Protocol
 
@@ -125,6 +125,7 @@ class Decision:
     prefill: WorkerLoad | None
     reason: str
     cached_tokens: int = 0  # prompt tokens the policy believes the decode worker holds already
+    spilled: bool = False  # a prefill worker was due but backed up: the decode worker prefills it (`Spillover`)
 
 
 class RoutingPolicy(Protocol):
@@ -275,6 +276,36 @@ class KVAware:
         return Decision(chosen, chosen_prefill, reason, held * self.block_size)
 
 
+class Spillover:
+    """Another policy's decisions, except that a long prompt due at a backed-up prefill worker is prefilled by its
+    decode worker instead (`router.spill`): when the prefill worker named has at least `prefill_backlog_tokens`
+    waiting and the decode worker would then have at most `local_backlog_tokens` of its own to prefill, this
+    prompt's included. A prefill burst then uses decode's spare compute while the autoscaler's new prefill
+    replicas load, instead of queueing past the TTFT objective (docs/routing.md). Backlogs are the gateways'
+    own accounting (`WorkerLoad.prefill_backlog_blocks`: blocks not yet prefilled, on whichever worker computes
+    them), so every gateway replica sees the same."""
+
+    def __init__(self, policy: RoutingPolicy, block_size: int, threshold: int, prefill_backlog_tokens: int,
+                 local_backlog_tokens: int) -> None:
+        self.policy = policy
+        self.name, self.reasons = policy.name, policy.reasons
+        self.block_size, self.threshold = block_size, threshold
+        self.prefill_backlog_tokens, self.local_backlog_tokens = prefill_backlog_tokens, local_backlog_tokens
+
+    def route(self, request: RequestFeatures, view: WorkerView, exclude: frozenset[str] = frozenset()) -> Decision | None:
+        decision = self.policy.route(request, view, exclude)
+        if decision is None or decision.prefill is None:
+            return decision
+        uncached = request.num_prompt_tokens - decision.cached_tokens
+        if uncached < self.threshold:  # short: its decode worker prefills it anyway
+            return decision
+        bs = self.block_size
+        if (decision.prefill.prefill_backlog_blocks * bs >= self.prefill_backlog_tokens
+                and decision.decode.prefill_backlog_blocks * bs + uncached <= self.local_backlog_tokens):
+            return replace(decision, prefill=None, spilled=True)
+        return decision
+
+
 def _rendezvous(key: str, worker: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}\0{worker}".encode(), digest_size=8).digest(), "little")
 
@@ -290,9 +321,12 @@ class PolicyError(ValueError):
     """An unknown routing policy, or a setting that no policy takes (a misspelling): one line naming it."""
 
 
+SPILL_SETTINGS = ("spill_prefill_tokens", "spill_local_tokens")
+
+
 def policy_settings() -> set[str]:
-    """Every setting some policy takes."""
-    return {p for factory in POLICIES.values() for p in inspect.signature(factory).parameters}
+    """Every setting some policy takes (the spill settings apply to every policy)."""
+    return {p for factory in POLICIES.values() for p in inspect.signature(factory).parameters} | set(SPILL_SETTINGS)
 
 
 def _hint(word: str, valid: Collection[str]) -> str:
@@ -303,7 +337,8 @@ def _hint(word: str, valid: Collection[str]) -> str:
 def make_policy(name: str, **settings) -> RoutingPolicy:
     """The policy named in config (`router.policy`), built with its settings. A setting another policy takes is
     passed over (so one call site serves every policy); one that no policy takes is refused, as is an unknown
-    name: `PolicyError`, naming it and the valid ones."""
+    name: `PolicyError`, naming it and the valid ones. A `spill_prefill_tokens` above 0 wraps the policy in
+    `Spillover` (with `spill_local_tokens`, `block_size` and `threshold`)."""
     factory = POLICIES.get(name)
     if factory is None:
         raise PolicyError(f"unknown routing policy {name!r}{_hint(name, POLICIES)}; valid: {', '.join(POLICIES)}")
@@ -312,4 +347,9 @@ def make_policy(name: str, **settings) -> RoutingPolicy:
         if key not in known:
             raise PolicyError(f"unknown routing setting {key!r}{_hint(key, known)}; valid: {', '.join(sorted(known))}")
     accepted = inspect.signature(factory).parameters
-    return factory(**{k: v for k, v in settings.items() if k in accepted})
+    policy: RoutingPolicy = factory(**{k: v for k, v in settings.items() if k in accepted})
+    spill = settings.get("spill_prefill_tokens", 0)
+    if spill > 0:
+        policy = Spillover(policy, settings.get("block_size", 16), settings.get("threshold", 512), spill,
+                           settings.get("spill_local_tokens", 0))
+    return policy

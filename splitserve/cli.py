@@ -284,6 +284,7 @@ UP_FLAGS = [
     flag("routing", "router.policy"),
     flag("kv-transport", "kv_transfer.backend"),
     flag("disagg-threshold", "decode.disagg_threshold"),
+    flag("spill-backlog", "router.spill.prefill_backlog_tokens"),
     flag("kv-cache-memory", "prefill.engine.kv_cache_memory", "decode.engine.kv_cache_memory"),
     flag("redis-url", "redis.url", help="use this Redis instead of starting one (kv_aware routing, the KV pool)"),
     flag("routers", "router.replicas"),

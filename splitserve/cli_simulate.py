@@ -36,6 +36,7 @@ SIM_FLAGS = [
     flag("target-utilization", "autoscaling.target_utilization"),
     flag("routing", "router.policy"),
     flag("disagg-threshold", "decode.disagg_threshold"),
+    flag("spill-backlog", "router.spill.prefill_backlog_tokens"),
     flag("tensor-parallel-size", "model.tensor_parallel_size"),
 ]
 

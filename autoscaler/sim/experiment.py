@@ -37,6 +37,8 @@ class Experiment:
         s = self.spec
         return SimSettings(self.profile, ttft_s=s.slo.ttft_seconds, itl_s=s.slo.itl_seconds,
                            disagg_threshold=s.decode.disagg_threshold, routing=s.router.policy,
+                           spill_prefill_tokens=s.router.spill.prefill_backlog_tokens,
+                           spill_local_tokens=s.router.spill.local_backlog_tokens,
                            block_size=s.model.block_size, gpus_per_replica=s.model.tensor_parallel_size,
                            model_load_s=s.autoscaling.model_load_seconds, drain_seconds=s.decode.drain_seconds,
                            bounds=Bounds.from_spec(s))

@@ -7,7 +7,7 @@ replicas changed for free between windows) and pays (P + D) x window length; it 
 prompt whose prefill alone is longer than the TTFT objective misses it whatever the replicas); where even a
 large cluster cannot reach that, the target is that large cluster's attainment minus half a point.
 Searches assume attainment grows with replicas: the fewest prefill replicas with plenty of decode, then the
-fewest decode replicas with that prefill.
+fewest decode replicas with that prefill, then more prefill for fewer decode while the pair gets cheaper.
 """
 
 from __future__ import annotations
@@ -135,7 +135,28 @@ def cheapest_static(requests: list[SimRequest], settings: SimSettings, span_s: f
     p = p_hi if p is None else p
     d = _search(min(d0, d_hi), d_hi, lambda x: ev.met(p, x) >= need)
     d = d_hi if d is None else d
+    p, d = _trade(ev, p, d, p_hi, min(d0, d), need)
     return StaticChoice(p, d, ev.met(p, d), target, len(ev.memo), ev(p, d))
+
+
+def _trade(ev: _Evaluator, p: int, d: int, p_hi: int, d_lo: int, need: float) -> tuple[int, int]:
+    """The fewest prefill replicas with plenty of decode may be a costly pair: decode workers prefill prompts
+    themselves (short ones, and long ones that spill from a backed-up prefill worker), so plenty of decode lets
+    prefill go low, and then it takes many decode replicas. Walk prefill up, each with its fewest decode (no
+    more than the last pair's: more prefill never needs more decode), while the pair gets cheaper (two steps
+    without a gain end it)."""
+    best, q, misses = (p + d, p, d), p, 0
+    while misses < 2 and q < p_hi:
+        q += 1
+        if q + d_lo >= best[0]:
+            break
+        top = best[2]
+        dq = _search(min(d_lo, top), top, lambda x, q=q: ev.met(q, x) >= need)
+        if dq is not None and q + dq < best[0]:
+            best, misses = (q + dq, q, dq), 0
+        else:
+            misses += 1
+    return best[1], best[2]
 
 
 def oracle(requests: list[SimRequest], settings: SimSettings, window_s: float = 300.0, target: float = 0.95,

@@ -23,6 +23,7 @@ from splitserve.autoscaler.sim.laws import ScalingLaw
 from splitserve.autoscaler.sim.metrics import Window
 from splitserve.autoscaler.sim.trace import PromptTokens, SimRequest, Status
 from splitserve.autoscaler.sim.worker import SimWorker, WorkerState
+from splitserve.common.config import SpillSpec
 from splitserve.router.policy import Charge, RequestFeatures, WorkerLoad, make_policy
 
 STEP_END, LAND, READY, TICK, DRAIN_DEADLINE = range(5)
@@ -35,6 +36,8 @@ class SimSettings:
     ttft_s: float = 2.0  # objectives: what attainment counts
     itl_s: float = 0.1
     disagg_threshold: int = 512  # prompts shorter than this are prefilled by the decode worker
+    spill_prefill_tokens: int = SpillSpec().prefill_backlog_tokens  # router.spill (0: never)
+    spill_local_tokens: int = SpillSpec().local_backlog_tokens
     routing: str = "least_loaded"  # router.policy
     block_size: int = 16
     gpus_per_replica: int = 1  # tensorParallelSize
@@ -96,7 +99,8 @@ class Simulation:
         self.law = law
         # the gateway's call (router/gateway.py); no KV index here, so kv_aware routes by load
         self.policy = make_policy(settings.routing, source=None, block_size=settings.block_size,
-                                  threshold=settings.disagg_threshold)
+                                  threshold=settings.disagg_threshold, spill_prefill_tokens=settings.spill_prefill_tokens,
+                                  spill_local_tokens=settings.spill_local_tokens)
         self.workers: list[SimWorker] = []  # every worker ever started
         self.live: dict[str, list[SimWorker]] = {"prefill": [], "decode": []}
         self.by_name: dict[str, SimWorker] = {}
@@ -180,15 +184,18 @@ class Simulation:
         pre = self.by_name[decision.prefill.name] if decision.prefill is not None else None
         blocks = -(-req.prompt // self.s.block_size)
         new_blocks = blocks - decision.cached_tokens // self.s.block_size
-        self._charges[req.rid] = Charge(decision.decode, decision.prefill, blocks, new_blocks)
         req.decode_worker = dec
         dec.inflight.add(req)
         if req.prompt + req.output > dec.kv_capacity:  # can never fit: the worker rejects it
+            self._charges[req.rid] = Charge(decision.decode, None, blocks, new_blocks)
             self._fail(req, now)
             return
         # as decode_worker/service.py: prefill remotely what this worker's cache lacks, if that is long enough
         uncached = req.prompt - dec.prefix_hit(req)
-        if pre is not None and uncached >= self.s.disagg_threshold and dec.reserve(req):
+        remote = pre is not None and uncached >= self.s.disagg_threshold and dec.reserve(req)
+        # charged to the worker that computes the prompt (as the gateway's, router/gateway.py)
+        self._charges[req.rid] = Charge(decision.decode, decision.prefill if remote else None, blocks, new_blocks)
+        if remote:
             req.remote = True
             req.transfer_tokens = uncached
             req.prefill_worker = pre

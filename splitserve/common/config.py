@@ -269,6 +269,19 @@ class KVAwareSpec(Spec):
     """A session stays on its worker unless that worker's load exceeds the least loaded's by this many blocks."""
 
 
+class SpillSpec(Spec):
+    """When the gateway lets a decode worker prefill a long prompt itself instead of queueing it at a busy prefill
+    worker: a prefill burst is absorbed by decode's spare compute while prefill replicas load (docs/routing.md).
+    The defaults are about 0.4 s and 0.2 s of an 8B model's prefill on an H200; scale them with the hardware."""
+
+    prefill_backlog_tokens: Count = 16384
+    """Spill only when the chosen prefill worker has at least this many prompt tokens waiting for prefill
+    (0: never spill)."""
+    local_backlog_tokens: Count = 8192
+    """... and the decode worker would then have at most this many prompt tokens of its own to prefill, this
+    prompt's included (its decode steps slow while it prefills)."""
+
+
 class RouterSpec(Spec):
     replicas: Annotated[int, Field(ge=1)] = 1
     """Gateway replicas (active-active)."""
@@ -278,6 +291,8 @@ class RouterSpec(Spec):
     """How a request's workers are chosen."""
     kv_aware: KVAwareSpec = Field(default_factory=KVAwareSpec)
     """Weights of the kv_aware policy."""
+    spill: SpillSpec = Field(default_factory=SpillSpec)
+    """When a long prompt is prefilled by its decode worker because the prefill workers are backed up."""
     max_inflight: Annotated[int, Field(ge=1)] = 256
     """Requests running at once on one gateway; more wait in its queue."""
     max_queue: Count = 1024
