@@ -275,11 +275,11 @@ class SpillSpec(Spec):
     The defaults are about 0.4 s and 0.2 s of an 8B model's prefill on an H200; scale them with the hardware."""
 
     prefill_backlog_tokens: Count = 16384
-    """Spill only when the chosen prefill worker has at least this many prompt tokens waiting for prefill
-    (0: never spill)."""
+    """A long prompt is prefilled by its decode worker when the prefill worker it would go to has at least this
+    many prompt tokens waiting (0: never)."""
     local_backlog_tokens: Count = 8192
     """... and the decode worker would then have at most this many prompt tokens of its own to prefill, this
-    prompt's included (its decode steps slow while it prefills)."""
+    prompt's included (its decode steps slow down while it prefills)."""
 
 
 class RouterSpec(Spec):
