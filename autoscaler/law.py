@@ -63,7 +63,7 @@ class LawConfig:
     max_forecast_growth: float = 0.15  # the forecast rises at most this fraction above the line's value now
     smoothing_s: float = 60.0  # the need now is its mean over this much history
     correction_gain: float = 0.2  # per observation, how fast the prefill cost correction follows measurements
-    min_slo_factor: float = 0.3  # SLO misses may lower a role's utilisation target down to this fraction of it
+    min_slo_factor: float = 0.7  # SLO misses may lower a role's utilisation target down to this fraction of it
     max_utilization: float = 0.95  # slack under the objectives may raise a role's utilisation target up to this
     max_hold_factor: float = 4.0  # regret may stretch the stabilisation window up to this x the cooldown
     prefill_scale_down_s: float | None = None  # prefill's cooldown and base window (None: the scale-down cooldown)

@@ -241,7 +241,7 @@ class AutoscalingSpec(Spec):
     planner_interval_seconds: Seconds = 60.0
     """How often the slow loop re-plans each pool from the forecast load (the fast loop runs every interval)."""
     target_utilization: Annotated[float, Field(gt=0.2, le=0.9)] = 0.8
-    """Fraction of a replica's capacity at the SLO (its prefill or decode tokens/s within the TTFT/ITL objectives) a role is sized to fill: replicas = ceil(need / target). A role scales up when its planned need exceeds target + 0.1 of its replicas and down when under target - 0.2. The autoscaler lowers it while a role misses its objectives (to 0.3x) and raises it while well inside (up to 0.95); prefill's is also capped by the queueing the TTFT objective allows."""
+    """Fraction of a replica's capacity at the SLO (its prefill or decode tokens/s within the TTFT/ITL objectives) a role is sized to fill: replicas = ceil(need / target). A role scales up when its planned need exceeds target + 0.1 of its replicas and down when under target - 0.2. The autoscaler lowers it while a role misses its objectives (to 0.7x) and raises it while well inside (up to 0.95); prefill's is also capped by the queueing the TTFT objective allows."""
 
 
 class SecretKeyRef(Spec):
