@@ -10,7 +10,14 @@ import openai
 import pytest
 from serving import Up, metric_sum
 
-from splitserve.router.policy import LeastLoaded, RequestFeatures, RoundRobin, WorkerLoad, make_policy
+from splitserve.router.policy import (
+    LeastLoaded,
+    RequestFeatures,
+    RoundRobin,
+    Spillover,
+    WorkerLoad,
+    make_policy,
+)
 
 
 class View:
@@ -56,6 +63,50 @@ def test_block_hashes_match_the_engine():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("random")
+
+
+# -- spilling (router.spill): a long prompt due at a backed-up prefill worker goes to its decode worker's prefill
+def spill(prefill_tokens: int = 1024, local_tokens: int = 512) -> Spillover:
+    return Spillover(LeastLoaded(), block_size=16, threshold=64, prefill_backlog_tokens=prefill_tokens,
+                     local_backlog_tokens=local_tokens)
+
+
+LONG = RequestFeatures(list(range(300)))  # 300 tokens: above the threshold, 19 blocks
+
+
+def test_a_backed_up_prefill_worker_sends_a_long_prompt_to_its_decode_worker():
+    view = View(w("d"), w("p", "prefill", pending_prefill_blocks=64))
+    d = spill().route(LONG, view)
+    assert d.prefill is None and d.spilled and d.decode.name == "d" and d.reason == "least_loaded"
+    # the other gateways' backlog counts too
+    view = View(w("d"), w("p", "prefill", pending_prefill_blocks=30, peer_pending_prefill_blocks=34))
+    assert spill().route(LONG, view).spilled
+
+
+def test_no_spill_below_either_backlog_or_for_short_prompts():
+    busy = w("p", "prefill", pending_prefill_blocks=64)
+    # the prefill worker is not backed up enough
+    d = spill().route(LONG, View(w("d"), w("p", "prefill", pending_prefill_blocks=63)))
+    assert d.prefill is not None and d.prefill.name == "p" and not d.spilled
+    # the decode worker has its own prompts to prefill: 14 blocks + 300 tokens > 512
+    d = spill().route(LONG, View(w("d", pending_prefill_blocks=14), busy))
+    assert d.prefill is busy and not d.spilled
+    # ... 13 blocks + 300 tokens fit
+    assert spill().route(LONG, View(w("d", pending_prefill_blocks=13), busy)).spilled
+    # a short prompt is left as the policy had it (the decode worker prefills it anyway)
+    d = spill().route(RequestFeatures(list(range(40))), View(w("d"), busy))
+    assert d.prefill is busy and not d.spilled
+    # no decode worker: nothing to spill to
+    assert spill().route(LONG, View(busy)) is None
+
+
+def test_make_policy_wraps_only_when_spill_is_on():
+    assert isinstance(make_policy("least_loaded", spill_prefill_tokens=4096, spill_local_tokens=2048), Spillover)
+    wrapped = make_policy("kv_aware", source=None, spill_prefill_tokens=1, threshold=32)
+    assert isinstance(wrapped, Spillover) and wrapped.name == "kv_aware" and wrapped.threshold == 32
+    assert isinstance(make_policy("round_robin", spill_prefill_tokens=0), RoundRobin)
+    with pytest.raises(ValueError, match="unknown routing setting 'spill_prefil_tokens'"):
+        make_policy("least_loaded", spill_prefil_tokens=1)
 
 
 def _worker_requests(up: Up, i: int) -> float:
