@@ -14,7 +14,11 @@ Two loops per role, then the hard bounds:
   served by replicas already there);
 - two slow corrections learned from measurements: prefill's busy time against the profile's prediction, and
   an integral loop that lowers a role's target utilisation while its latency p90 misses the objective (and
-  raises it, up to `max_utilization`, while every p90 is well inside).
+  raises it, up to `max_utilization`, while every p90 is well inside);
+- smooth load, sized tighter: while the prompt load of the last `smooth_window_s` varies little (`_smooth`),
+  decode's batch is sized at the mean prompt it serves instead of the long ones prefill receives, and prefill
+  may scale down after `smooth_prefill_hold_s` instead of the cooldown. On clumped load that slack is what
+  holds the next clump, so it stays.
 Scale-up: to the larger of the two targets, at most once per `scale_up_cooldown_s`. Scale-down: only when the
 utilisation would stay under `low_utilization`, no pressure is seen, `scale_down_cooldown_s` has passed since
 the role's last change, and to the largest target recommended over the stabilisation window (the cooldown,
@@ -37,6 +41,9 @@ from splitserve.autoscaler.observations import Observation, Percentiles, RoleObs
 from splitserve.autoscaler.planner import Needs, forecast, needs
 from splitserve.autoscaler.profile import KV_HEADROOM, TTFT_TAIL, ReplicaProfile, capacity_at_slo
 from splitserve.common.config import ClusterSpec
+
+SMOOTH_BIN_S = 15.0  # s: the prompt load's smoothness is judged on its means over bins this long
+SMOOTH_MIN_BINS = 8  # bins seen before a load can be called smooth (two minutes at the default interval)
 
 __all__ = ["ROLES", "ControllerState", "LawConfig", "RoleDecision", "RoleState", "ScalingDecision", "decide"]
 
@@ -68,6 +75,9 @@ class LawConfig:
     max_hold_factor: float = 4.0  # regret may stretch the stabilisation window up to this x the cooldown
     prefill_scale_down_s: float | None = None  # prefill's cooldown and base window (None: the scale-down cooldown)
     burst_memory_s: float | None = None  # half-life of a burst's peak kept (None: 2 x scale-down cooldown; 0: none)
+    smooth_window_s: float = 600.0  # the prompt load's smoothness is judged over this much history
+    smooth_cv: float = 0.6  # smooth: prompt tokens per SMOOTH_BIN_S vary less than this (coefficient of variation)
+    smooth_prefill_hold_s: float = 180.0  # prefill's cooldown and base window while the load is smooth (at most)
     floor_memory_s: float | None = None  # half-life of decode's learned floor (None: 6 x scale-down cooldown; 0: none)
 
     def __post_init__(self) -> None:
@@ -148,7 +158,12 @@ class _Plan:
 
 def decide(obs: Observation, state: ControllerState, config: LawConfig) -> ScalingDecision:
     """One decision from one observation. Deterministic: same inputs, same decision."""
-    n = needs(obs, config.profile, config.ttft_s, config.itl_s)
+    load = tuple(x for x in state.load if obs.time - x[0] < config.smooth_window_s) + (
+        (obs.time, obs.prefill.input_tokens_per_s + obs.decode.input_tokens_per_s),)
+    smooth = _smooth(load, config)
+    n = needs(obs, config.profile, config.ttft_s, config.itl_s, decode_at_every_prompt=smooth)
+    if smooth:
+        config = replace(config, prefill_scale_down_s=min(_base_hold("prefill", config), config.smooth_prefill_hold_s))
     plans = {role: _role(role, obs, n, state.role(role), config) for role in ROLES}
     if not config.bounds.disaggregated:
         plans["prefill"] = _Plan(0, "none (colocated)", state.prefill, 0.0, 0.0, 0.0)
@@ -167,8 +182,25 @@ def decide(obs: Observation, state: ControllerState, config: LawConfig) -> Scali
             rs = replace(rs, last_change=obs.time, last_down=obs.time, down_from=current)
         out[role] = (RoleDecision(role, current, desired, action, reason, plan.need, plan.planned,
                                   plan.utilization), rs)
-    new_state = ControllerState(prefill=out["prefill"][1], decode=out["decode"][1])
+    new_state = ControllerState(prefill=out["prefill"][1], decode=out["decode"][1], load=load)
     return ScalingDecision(obs.time, out["prefill"][0], out["decode"][0], tuple(notes), new_state)
+
+
+def _smooth(load: tuple[tuple[float, float], ...], c: LawConfig) -> bool:
+    """The prompt load (tokens/s both pools computed, per observation) is smooth: over `smooth_window_s`, its
+    mean per SMOOTH_BIN_S varies less than `smooth_cv` (coefficient of variation), with at least
+    SMOOTH_MIN_BINS bins seen. Per 15 s, Azure conversation's prompt load varies by 0.38 and Mooncake's by
+    0.25; Azure code's by 1.62 (47% of its windows are empty) and the bursty trace's by 1.19."""
+    bins: dict[int, list[float]] = {}
+    for t, v in load:
+        bins.setdefault(math.floor(t / SMOOTH_BIN_S), []).append(v)
+    if len(bins) < SMOOTH_MIN_BINS:
+        return False
+    means = [sum(v) / len(v) for v in bins.values()]
+    mean = sum(means) / len(means)
+    if mean <= 0:
+        return False
+    return math.sqrt(sum((m - mean) ** 2 for m in means) / len(means)) / mean < c.smooth_cv
 
 
 def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) -> _Plan:

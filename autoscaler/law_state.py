@@ -45,6 +45,7 @@ class ControllerState:
 
     prefill: RoleState = field(default_factory=RoleState)
     decode: RoleState = field(default_factory=RoleState)
+    load: tuple[tuple[float, float], ...] = ()  # (s, prompt tokens/s both pools computed) over the smoothness window
 
     def role(self, name: str) -> RoleState:
         return self.prefill if name == "prefill" else self.decode
@@ -55,7 +56,7 @@ class ControllerState:
                 return [list(x) for x in v]
             return None if isinstance(v, float) and math.isinf(v) else v
 
-        return {"version": STATE_VERSION,
+        return {"version": STATE_VERSION, "load": enc(self.load),
                 **{role: {k: enc(v) for k, v in asdict(self.role(role)).items()} for role in ROLES}}
 
     @classmethod
@@ -66,10 +67,11 @@ class ControllerState:
             raise ValueError("law state: not an object")
         if data.get("version") != STATE_VERSION:
             raise ValueError(f"law state: version {data.get('version')!r}, this law reads {STATE_VERSION}")
-        unknown = set(data) - {"version", *ROLES}
+        unknown = set(data) - {"version", "load", *ROLES}
         if unknown:
             raise ValueError(f"law state: unknown keys {sorted(unknown)}")
-        return cls(**{role: _role(role, data.get(role, {})) for role in ROLES})
+        return cls(**{role: _role(role, data.get(role, {})) for role in ROLES},
+                   load=_series(data.get("load", []), "law state: load"))
 
 
 def _role(role: str, d: Any) -> RoleState:
@@ -83,9 +85,7 @@ def _role(role: str, d: Any) -> RoleState:
     for k, v in d.items():
         where = f"law state: {role}.{k}"
         if k in _SERIES:
-            if not isinstance(v, list) or not all(isinstance(x, list) and len(x) == 2 for x in v):
-                raise ValueError(f"{where}: not a list of [s, value] pairs")
-            out[k] = tuple((_number(x[0], where), _number(x[1], where)) for x in v)
+            out[k] = _series(v, where)
         elif k in _TIMES:
             out[k] = -math.inf if v is None else _number(v, where)
         elif k == "planned" and v is None:
@@ -93,6 +93,12 @@ def _role(role: str, d: Any) -> RoleState:
         else:
             out[k] = _number(v, where)
     return RoleState(**out)
+
+
+def _series(v: Any, where: str) -> tuple[tuple[float, float], ...]:
+    if not isinstance(v, list) or not all(isinstance(x, list) and len(x) == 2 for x in v):
+        raise ValueError(f"{where}: not a list of [s, value] pairs")
+    return tuple((_number(x[0], where), _number(x[1], where)) for x in v)
 
 
 def _number(v: Any, where: str) -> float:

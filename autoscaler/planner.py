@@ -27,14 +27,22 @@ class Needs:
     capacity: ReplicaCapacity
 
 
-def needs(obs: Observation, profile: ReplicaProfile, ttft_s: float, itl_s: float) -> Needs:
+def needs(obs: Observation, profile: ReplicaProfile, ttft_s: float, itl_s: float,
+          decode_at_every_prompt: bool = False) -> Needs:
+    """The need of both pools. Decode's batch is sized at the context of the prompts prefill receives (the long
+    ones, a conservative batch), or with `decode_at_every_prompt` at the mean of every prompt decode serves (the
+    batch it runs; the law asks for it while the load is smooth)."""
     p, d = obs.prefill, obs.decode
     mean_in = p.mean_input_tokens if p.arrival_rate > 0 else d.mean_input_tokens
     cap = capacity_at_slo(profile, ttft_s, itl_s, mean_in or 1.0, d.mean_output_tokens or 1.0, max_utilization=1.0)
     prefill = p.input_tokens_per_s / cap.prefill_raw_tokens_per_s
+    dcap = cap
+    if decode_at_every_prompt and d.mean_input_tokens > 0:
+        dcap = capacity_at_slo(profile, ttft_s, itl_s, d.mean_input_tokens, d.mean_output_tokens or 1.0,
+                               max_utilization=1.0)
     # decode workers also prefill short prompts themselves (below the disaggregation threshold)
     local = d.input_tokens_per_s / profile.prefill_tokens_per_s(d.mean_input_tokens or 1.0)
-    decode = d.output_tokens_per_s / cap.decode_tokens_per_s + local
+    decode = d.output_tokens_per_s / dcap.decode_tokens_per_s + local
     backlog = p.waiting_prefill_tokens / (max(1, p.replicas_ready) * cap.prefill_raw_tokens_per_s)
     return Needs(prefill, decode, backlog, cap)
 

@@ -225,6 +225,46 @@ def test_scale_down_waits_for_the_cooldown_and_the_whole_stabilisation_window():
     assert all(d.decode.action == "hold" for d in decisions)
 
 
+def test_a_smooth_load_lets_prefill_scale_down_sooner_than_a_bursty_one():
+    """Prompt load that varies little over the last 10 minutes is smooth: prefill's cooldown and base window
+    drop to `smooth_prefill_hold_s` (180 s here, against a 300 s cooldown). The same mean in clumps (every
+    other window empty) waits the whole cooldown."""
+    cfg = config(scale_down_cooldown_s=300.0, smooth_prefill_hold_s=180.0)
+    kw = dict(p=10, d=2, out_tok_s=1.0 * DECODE_TOK_S)
+    smooth = [obs(15 * i, prefill_tok_s=2.0 * PREFILL_TOK_S, **kw) for i in range(40)]
+    clumps = [obs(15 * i, prefill_tok_s=(4.0 if i % 2 else 0.0) * PREFILL_TOK_S, **kw) for i in range(40)]
+    first_down = {}
+    for name, stream in (("smooth", smooth), ("clumps", clumps)):
+        downs = [d for d in run(stream, cfg) if d.prefill.action == "down"]
+        assert downs, name
+        first_down[name] = downs[0].time
+    assert 180 <= first_down["smooth"] < 300 <= first_down["clumps"], first_down
+
+
+def test_a_smooth_load_sizes_decode_at_every_prompt_it_serves():
+    """Decode's batch is sized at the context of the prompts prefill receives (the long ones) unless the load is
+    smooth; then at the mean prompt decode serves, short local ones included: a larger batch, a smaller need."""
+    from dataclasses import replace
+
+    cost = replace(COST, per_ctx_token_s=2e-5)  # attention over the context: longer prompts, smaller batches
+    profile = replace(PROFILE, cost=cost)
+    cfg = config(profile=profile)
+
+    def mixed(t: float, load: float) -> Observation:  # prefill gets 1000-token prompts, decode also 100-token ones
+        o = obs(t, prefill_tok_s=load * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S)
+        return replace(o, decode=replace(o.decode, mean_input_tokens=300))
+
+    last = mixed(15 * 30, 2.0)
+    smooth = run([mixed(15 * i, 2.0) for i in range(30)] + [last], cfg)[-1]
+    clumps = run([mixed(15 * i, 4.0 if i % 2 else 0.0) for i in range(30)] + [last], cfg)[-1]
+    n_long = needs(last, profile, cfg.ttft_s, cfg.itl_s)
+    n_all = needs(last, profile, cfg.ttft_s, cfg.itl_s, decode_at_every_prompt=True)
+    assert n_all.decode < 0.8 * n_long.decode
+    assert smooth.decode.need == pytest.approx(n_all.decode)
+    assert clumps.decode.need == pytest.approx(n_long.decode)
+    assert n_all.prefill == n_long.prefill
+
+
 def test_a_burst_right_after_a_scale_down_stretches_the_hold():
     cfg = config(scale_down_cooldown_s=120.0, scale_up_cooldown_s=0.0, burst_memory_s=0.0)  # the window alone
     kw = dict(d=2, out_tok_s=1.0 * DECODE_TOK_S)

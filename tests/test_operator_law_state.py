@@ -90,7 +90,8 @@ async def test_a_state_this_law_cannot_read_is_dropped_and_the_law_starts_afresh
 
 def test_state_json_round_trips_and_refuses_what_it_cannot_read():
     state = ControllerState(prefill=RoleState(last_up=12.5, history=((0.0, 1.5), (15.0, 2.0)), planned=2.0,
-                                              recent=((15.0, 3),), hold_s=600.0, peak_need=4.0))
+                                              recent=((15.0, 3),), hold_s=600.0, peak_need=4.0),
+                            load=((0.0, 1200.0), (15.0, 900.5)))
     text = json.dumps(state.to_json(), allow_nan=False)  # no Infinity: "never" is null
     again = ControllerState.from_json(json.loads(text))
     assert again == state
@@ -101,6 +102,7 @@ def test_state_json_round_trips_and_refuses_what_it_cannot_read():
                       ({**good, "prefill": {**good["prefill"], "typo": 1}}, "unknown fields"),
                       ({**good, "prefill": {**good["prefill"], "slo_factor": "x"}}, "slo_factor"),
                       ({**good, "prefill": {**good["prefill"], "history": [[1.0]]}}, "history"),
+                      ({**good, "load": [[0.0, None]]}, "load"),
                       ([], "not an object")):
         with pytest.raises(ValueError, match=what):
             ControllerState.from_json(bad)
