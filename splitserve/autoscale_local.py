@@ -24,7 +24,6 @@ from splitserve.autoscaler.law import ROLES, ScalingDecision
 from splitserve.autoscaler.observer import Observer
 from splitserve.common.config import ClusterResource, ClusterSpec
 from splitserve.common.model_files import ModelNotFoundError, resolve_model
-from splitserve.common.proc import free_port
 
 log = logging.getLogger("splitserve.autoscaler.local")
 
@@ -166,7 +165,7 @@ class LocalAutoscaler:
         observer = Observer(spec.redis.resolved_url(), spec.model.served_name,
                             lambda: [r["url"] for r in routers], colocated=spec.mode == "colocated")
         scaler = Autoscaler(resource.metadata.name, spec, observer, replica_profile)
-        port = free_port(launcher.host)
+        port = launcher.free_port()
         start_http_server(port, addr=launcher.host)
         launcher.components.setdefault("autoscaler", {}).update(metrics=f"http://{launcher.host}:{port}",
                                                                  profile=str(path))

@@ -188,7 +188,7 @@ def _worker(resource: ClusterResource, role: str, host: str, name: str | None, a
             vllm_url: str | None = None) -> None:
     import asyncio
 
-    from splitserve.worker import run_process
+    from splitserve.worker import PortInUse, run_process
 
     setup_logging()
     _prepare(resource)
@@ -196,6 +196,8 @@ def _worker(resource: ClusterResource, role: str, host: str, name: str | None, a
         code = asyncio.run(run_process(resource, role, host, name, advertise_host, vllm_url))
     except KeyboardInterrupt:
         code = 0
+    except PortInUse as e:
+        fail(str(e))
     if code:
         sys.exit(code)
 

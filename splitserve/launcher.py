@@ -41,6 +41,7 @@ class Launcher:
         self._next_index: dict[str, int] = {"prefill": 0, "decode": 0}
         spec = self.resource.spec
         self.components: dict = {"router": f"http://{host}:{spec.router.port}", "prefill": [], "decode": []}
+        self._ports: set[int] = {spec.router.port}  # given to this cluster's processes (and the router's)
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-")
         self.config_path = Path(self._dir.name) / "cluster.yaml"
 
@@ -51,6 +52,15 @@ class Launcher:
         self.procs.append((name, proc))
         return proc
 
+    def free_port(self) -> int:
+        """A free port that no process of this cluster was given yet. A port picked free stays free only until
+        its process binds it, seconds later, and two picks before then can return the same port (two of our
+        processes on one port: one cannot listen), so every port handed out is remembered."""
+        while (port := free_port(self.host)) in self._ports:
+            pass
+        self._ports.add(port)
+        return port
+
     def plan(self) -> list[tuple[str, str, int, int]]:
         """(name, role, gRPC port, metrics port) of every worker, and the static membership in the document."""
         spec = self.resource.spec
@@ -59,7 +69,7 @@ class Launcher:
         if not colocated:
             workers += [(f"prefill-{i}", "prefill") for i in range(spec.prefill.replicas)]
         workers += [(f"decode-{i}", "both" if colocated else "decode") for i in range(spec.decode.replicas)]
-        planned = [(name, role, free_port(self.host), free_port(self.host)) for name, role in workers]
+        planned = [(name, role, self.free_port(), self.free_port()) for name, role in workers]
         spec.membership.prefill = [f"{self.host}:{p}" for _, role, p, _ in planned if role == "prefill"]
         spec.membership.decode = [f"{self.host}:{p}" for _, role, p, _ in planned if role != "prefill"]
         threads = max(1, (os.cpu_count() or 1) // len(planned))
@@ -80,7 +90,7 @@ class Launcher:
 
     def start_redis(self) -> None:
         """A Redis for this cluster (bundled), on a free port, gone with the launcher."""
-        port = free_port(self.host)
+        port = self.free_port()
         proc = subprocess.Popen(dying_with_me(redis_command(self.host, port, self.resource.spec.kv_pool.max_memory)),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         self.procs.append(("redis", proc))
@@ -101,7 +111,7 @@ class Launcher:
         spec = self.resource.spec
         self.components["routers"] = []
         for i in range(spec.router.replicas):
-            port = spec.router.port if i == 0 else free_port(self.host)
+            port = spec.router.port if i == 0 else self.free_port()
             proc = self._spawn(f"router-{i}", ["router", "--port", str(port), *config])
             self.components["routers"].append({"url": f"http://{self.host}:{port}", "pid": proc.pid})
         self.components["router_pid"] = self.components["routers"][0]["pid"]
@@ -135,7 +145,7 @@ class Launcher:
         """Start one more worker of `pool` (prefill, or decode: colocated workers in colocated mode); its name."""
         role = "both" if pool == "decode" and self.resource.spec.mode == "colocated" else pool
         name = f"{pool}-{self._next_index[pool]}"
-        self._start_worker(name, role, free_port(self.host), free_port(self.host))
+        self._start_worker(name, role, self.free_port(), self.free_port())
         return name
 
     def workers(self, pool: str) -> list[str]:

@@ -17,6 +17,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -54,7 +55,14 @@ from splitserve.engine.interface import ServingEngine
 from splitserve.prefill_worker.build import build as build_prefill
 
 log = logging.getLogger("splitserve.worker")
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+# no SO_REUSEPORT: a second process on a worker's port must fail to start, not share its traffic
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0)]
+HTTP_START_S = 30.0  # the metrics server is listening within this, or the worker does not start
+
+
+class PortInUse(OSError):
+    """A port the worker was given cannot be listened on (another process holds it)."""
 
 RoleBuilder = Callable[[ClusterSpec, ServingEngine, WorkerContext], Awaitable[Any]]
 STOP_GRACE_SECONDS = 2.0  # after the drain: for the last messages of moved streams, and calls still finishing
@@ -317,7 +325,14 @@ class HTTPThread:
         self.thread = threading.Thread(target=self.server.run, name="http", daemon=True)
 
     def start(self) -> None:
+        """Start serving; PortInUse if the server cannot listen (uvicorn logs why and ends its thread)."""
         self.thread.start()
+        deadline = time.monotonic() + HTTP_START_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                config = self.server.config
+                raise PortInUse(f"--metrics-port: cannot listen on {config.host}:{config.port} (in use?)")
+            time.sleep(0.01)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -348,10 +363,17 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
     servicer = WorkerServicer(spec, role)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add_worker_service(servicer, server)  # a request that does not decode: INVALID_ARGUMENT
-    server.add_insecure_port(f"{host}:{role_spec.port}")
-    await server.start()
     http = HTTPThread(http_app(servicer), host, role_spec.metrics_port)
-    http.start()
+    try:
+        try:
+            server.add_insecure_port(f"{host}:{role_spec.port}")
+        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+            raise PortInUse(f"--port: cannot listen on {host}:{role_spec.port} (in use?)") from e
+        await server.start()
+        http.start()
+    except PortInUse:
+        await server.stop(None)
+        raise
     HEALTH_FLAPS.inc(0)
     WORKER_ENGINE.labels(spec.engine_of(role), role).set(1)
     log.info("worker %s listening: grpc %s:%d metrics %d", role, host, role_spec.port, role_spec.metrics_port)

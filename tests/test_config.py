@@ -144,3 +144,25 @@ def test_up_serves_the_example_file():
         assert local == {} and remote == 1 + len(prompts), m
     finally:
         assert up.stop() == 0
+
+
+def test_a_worker_whose_port_is_taken_says_so_and_exits():
+    """A port held by another process: the worker exits 2 naming the flag, instead of serving without its metrics
+    (uvicorn ends its thread) or sharing its gRPC port with the other process (SO_REUSEPORT)."""
+    import socket
+
+    for flag in ("--port", "--metrics-port"):
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            port = held.getsockname()[1]
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                free = str(s.getsockname()[1])
+            ports = {"--port": free, "--metrics-port": free} | {flag: str(port)}
+            res = run("worker", "--config", str(EXAMPLE), "--role", "decode", *[x for kv in ports.items() for x in kv])
+        assert res.returncode == 2, res.stderr[-2000:]
+        line = [x for x in res.stderr.splitlines() if x.startswith("splitserve: error:")]
+        assert len(line) == 1 and line[0].startswith(f"splitserve: error: {flag}: cannot listen on 127.0.0.1:{port} "
+                                                     "(in use?)"), res.stderr[-2000:]
+        assert "Traceback" not in res.stderr
