@@ -227,8 +227,8 @@ def test_scale_down_waits_for_the_cooldown_and_the_whole_stabilisation_window():
 
 def test_a_smooth_load_lets_prefill_scale_down_sooner_than_a_bursty_one():
     """Prompt load that varies little over the last 10 minutes is smooth: prefill's cooldown and base window
-    drop to `smooth_prefill_hold_s` (180 s here, against a 300 s cooldown). The same mean in clumps (every
-    other window empty) waits the whole cooldown."""
+    drop to `smooth_prefill_hold_s` (180 s here, against a 300 s cooldown), or three cold starts if longer. The
+    same mean in clumps (every other window empty) waits the whole cooldown."""
     cfg = config(scale_down_cooldown_s=300.0, smooth_prefill_hold_s=180.0)
     kw = dict(p=10, d=2, out_tok_s=1.0 * DECODE_TOK_S)
     smooth = [obs(15 * i, prefill_tok_s=2.0 * PREFILL_TOK_S, **kw) for i in range(40)]
@@ -239,6 +239,10 @@ def test_a_smooth_load_lets_prefill_scale_down_sooner_than_a_bursty_one():
         assert downs, name
         first_down[name] = downs[0].time
     assert 180 <= first_down["smooth"] < 300 <= first_down["clumps"], first_down
+    # and at least three cold starts: with 90 s ones, 270 s
+    slow = config(scale_down_cooldown_s=300.0, smooth_prefill_hold_s=180.0, model_load_s=90.0)
+    downs = [d for d in run(smooth, slow) if d.prefill.action == "down"]
+    assert downs and 270 <= downs[0].time < 300, [d.time for d in downs]
 
 
 def test_a_smooth_load_sizes_decode_at_every_prompt_it_serves():
