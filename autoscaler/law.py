@@ -17,8 +17,8 @@ Two loops per role, then the hard bounds:
   raises it, up to `max_utilization`, while every p90 is well inside);
 - smooth load, sized tighter: while the prompt load of the last `smooth_window_s` varies little (`_smooth`),
   decode's batch is sized at the mean prompt it serves instead of the long ones prefill receives, and prefill
-  may scale down after `smooth_prefill_hold_s` (or three cold starts, if longer) instead of the cooldown. On clumped load that slack is what
-  holds the next clump, so it stays.
+  may scale down after `smooth_prefill_hold_s` (or three cold starts, if longer) instead of the cooldown. On
+  clumped load that slack is what holds the next clump, so it stays.
 Scale-up: to the larger of the two targets, at most once per `scale_up_cooldown_s`. Scale-down: only when the
 utilisation would stay under `low_utilization`, no pressure is seen, `scale_down_cooldown_s` has passed since
 the role's last change, and to the largest target recommended over the stabilisation window (the cooldown,
@@ -80,8 +80,7 @@ class LawConfig:
     burst_memory_s: float | None = None  # half-life of a burst's peak kept (None: 2 x scale-down cooldown; 0: none)
     smooth_window_s: float = 600.0  # the prompt load's smoothness is judged over this much history
     smooth_cv: float = 0.6  # smooth: prompt tokens per SMOOTH_BIN_S vary less than this (coefficient of variation)
-    smooth_prefill_hold_s: float = 180.0  # prefill's cooldown and base window while the load is smooth (at most;
-    # at least SMOOTH_HOLD_COLD_STARTS x model_load_s)
+    smooth_prefill_hold_s: float = 180.0  # prefill's cooldown and base window while smooth (or 3 cold starts)
     floor_memory_s: float | None = None  # half-life of decode's learned floor (None: 6 x scale-down cooldown; 0: none)
 
     def __post_init__(self) -> None:
