@@ -32,6 +32,7 @@ ratio bounds and the GPU budget.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -200,11 +201,9 @@ def _smooth(load: tuple[tuple[float, float], ...], c: LawConfig) -> bool:
         bins.setdefault(math.floor(t / SMOOTH_BIN_S), []).append(v)
     if len(bins) < SMOOTH_MIN_BINS:
         return False
-    means = [sum(v) / len(v) for v in bins.values()]
-    mean = sum(means) / len(means)
-    if mean <= 0:
-        return False
-    return math.sqrt(sum((m - mean) ** 2 for m in means) / len(means)) / mean < c.smooth_cv
+    means = [statistics.fmean(v) for v in bins.values()]
+    mean = statistics.fmean(means)
+    return mean > 0 and statistics.pstdev(means, mean) / mean < c.smooth_cv
 
 
 def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) -> _Plan:

@@ -30,7 +30,7 @@ from ray import serve
 
 from splitserve.common.config import ClusterResource, ClusterSpec
 from splitserve.common.config_file import dump, parse_resource
-from splitserve.common.proc import free_port
+from splitserve.common.proc import free_port, free_ports
 from splitserve.launcher import READY_TIMEOUT_S, gateway_all_healthy, redis_command, wait_for_redis
 from splitserve.ray_policy import DEPLOYMENTS, Directory, policy_config
 
@@ -210,7 +210,7 @@ class Worker:
         role = "both" if spec.mode == "colocated" else pool
         self.drain_s = spec.role(pool).drain_seconds
         host = _node_host()
-        port, metrics_port = free_port(host), free_port(host)
+        port, metrics_port = free_ports(2, host)
         engine = spec.role(pool).engine
         native_cpu = spec.engine_of(pool) == "native" and spec.model.device == "cpu"
         if not engine.threads and native_cpu:  # as `splitserve up` does: the cores shared out (vLLM picks its own)

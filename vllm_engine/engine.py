@@ -494,7 +494,7 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
     import uuid
 
     from splitserve.common.model_files import resolve_model
-    from splitserve.common.proc import free_port
+    from splitserve.common.proc import free_ports
     from splitserve.vllm_engine.server import VllmPorts, command, environment
 
     model_dir = resolve_model(spec.model.name, need_weights=spec.model.load_format != "dummy")
@@ -502,7 +502,7 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
     events = None
     pool_worker = None
     if attach_url is None:
-        ports = VllmPorts(free_port(), free_port(), free_port())
+        ports = VllmPorts(*free_ports(3))
         url = f"http://127.0.0.1:{ports.http}"
         events = events_socket(f"tcp://127.0.0.1:{ports.events}")
         # the pool connector's name: unique per server on this host (a server rendered for a pod names itself)

@@ -4,6 +4,7 @@ watched while we wait."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -21,6 +22,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports. Each pick is held bound until all are picked: picks closed one by one can return
+    the same port twice (a port is free until its process binds it), and two processes given one port leave
+    one unable to listen."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def die_with_parent() -> None:
