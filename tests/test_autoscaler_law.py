@@ -7,6 +7,8 @@ hand: a prefill replica computes 10,000 prompt tokens/s, a decode replica carrie
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from splitserve.autoscaler.bounds import Bounds, clamp
@@ -31,7 +33,7 @@ def config(**kw) -> LawConfig:
     """The law with round numbers; the target utilisation stays at 0.8 unless a test lets slack raise it."""
     base = dict(profile=PROFILE, bounds=Bounds(prefill_min=1, prefill_max=50, decode_min=1, decode_max=50),
                 ttft_s=2.0, itl_s=0.1, scale_up_cooldown_s=30.0, scale_down_cooldown_s=120.0,
-                planner_interval_s=60.0, model_load_s=60.0, max_utilization=0.8)
+                planner_interval_s=60.0, model_load_s=60.0, max_utilization=0.8, decode_compute_utilization=None)
     base.update(kw)
     return LawConfig(**base)
 
@@ -323,6 +325,20 @@ def test_slack_under_the_objectives_lets_a_role_run_fuller():
     assert fixed[-1].decode.desired == 7  # over the band at a fixed 0.8 target: ceil(5.45 / 0.8)
     assert slack[-1].decode.utilization == pytest.approx(0.95)  # +2% a window while p90 < half the objective
     assert all(d.decode.desired == 6 for d in slack)  # the raised target keeps 91% inside the band
+
+
+def test_a_decode_pool_kv_does_not_bound_may_run_above_its_flat_out_need():
+    # 6.2 replicas of decode work (priced in decode-only steps) on 8: slack raises decode's target up to 1.1
+    # while 10 sequences of the mean context fit the cache, and 6.2 < 0.825 x 8 lets it give one back
+    stream = steady(0, 60, p=5, d=8, prefill_tok_s=3.0 * PREFILL_TOK_S, out_tok_s=6.2 * DECODE_TOK_S, itl_p90=0.01)
+    roomy = run(stream, config(max_utilization=0.95, decode_compute_utilization=1.1))
+    assert roomy[-1].decode.utilization == pytest.approx(1.1) and roomy[-1].prefill.utilization <= 0.95
+    assert roomy[-1].decode.desired == 7  # 6.2 on 7 is 0.89, inside the band (0.825..1.24)
+    off = run(stream, config(max_utilization=0.95))
+    assert off[-1].decode.utilization == pytest.approx(0.95) and off[-1].decode.desired == 8  # 6.2 > 0.71 x 8
+    small_kv = replace(PROFILE, kv_capacity_tokens=10_000)  # 9,000 usable / 1,050 tokens a sequence: 8 < 10
+    tight = run(stream, config(profile=small_kv, max_utilization=0.95, decode_compute_utilization=1.1))
+    assert tight[-1].decode.utilization == pytest.approx(0.95)
 
 
 def test_warm_replicas_stay_above_the_need():
