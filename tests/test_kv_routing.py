@@ -177,9 +177,11 @@ def test_a_killed_worker_leaves_and_its_restart_carries_no_stale_entries(tmp_pat
         config = up.components["config"]
         port, mport = free_port(), free_port()
         exe = Path(sys.executable).parent / "splitserve"
-        proc = subprocess.Popen([str(exe), "worker", "--config", str(config), "--role", "both", "--name", w["name"],
-                                 "--port", str(port), "--metrics-port", str(mport)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log_path = tmp_path / "restarted-worker.log"
+        with open(log_path, "wb") as log:  # its log explains a failure to stop (the child keeps its own copy)
+            proc = subprocess.Popen([str(exe), "worker", "--config", str(config), "--role", "both", "--name",
+                                     w["name"], "--port", str(port), "--metrics-port", str(mport)],
+                                    stdout=subprocess.DEVNULL, stderr=log)
         try:
             wait_until(lambda: any(x["name"] == w["name"] and x["healthy"] for x in health(url)["workers"]),
                        timeout=120, what="the restarted worker")
@@ -188,7 +190,13 @@ def test_a_killed_worker_leaves_and_its_restart_carries_no_stale_entries(tmp_pat
             assert not health(url)["index"]["stale_instances"]
         finally:
             proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise AssertionError("the restarted worker did not stop within 60 s of SIGTERM; its log ends:\n"
+                                     + log_path.read_text(errors="replace")[-3000:]) from None
     finally:
         up.stop()
 
