@@ -8,6 +8,7 @@ the file. Every user error is one line on stderr and exit code 2, never a traceb
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -198,6 +199,7 @@ def _worker(resource: ClusterResource, role: str, host: str, name: str | None, a
         code = 0
     except PortInUse as e:
         fail(str(e))
+    logging.getLogger("splitserve.worker").info("worker %s exiting: code %d", role, code)
     if code:
         sys.exit(code)
 

@@ -425,4 +425,5 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
         elif not loader.done() and spec.engine_of(role) == "vllm":  # it sees the stop and stops its server
             await asyncio.gather(loader, return_exceptions=True)
         # stopped while loading: the load thread finishes on its own; the host decides whether to wait for it
+        log.info("worker %s closed", role)
     return code
