@@ -41,7 +41,13 @@ from splitserve.autoscaler.bounds import Bounds, clamp
 from splitserve.autoscaler.law_state import ROLES, ControllerState, RoleState
 from splitserve.autoscaler.observations import Observation, Percentiles, RoleObservation
 from splitserve.autoscaler.planner import Needs, forecast, needs
-from splitserve.autoscaler.profile import KV_HEADROOM, TTFT_TAIL, ReplicaProfile, capacity_at_slo
+from splitserve.autoscaler.profile import (
+    KV_HEADROOM,
+    TTFT_TAIL,
+    ReplicaProfile,
+    capacity_at_slo,
+    kv_sequences,
+)
 from splitserve.common.config import ClusterSpec
 
 SMOOTH_BIN_S = 15.0  # s: the prompt load's smoothness is judged on its means over bins this long
@@ -415,8 +421,7 @@ def _ceiling(role: str, ro: RoleObservation, c: LawConfig) -> float:
     conversation 1.24x -> 1.19x the oracle with Mooncake unchanged)."""
     if role != "decode" or c.decode_compute_utilization is None or ro.mean_input_tokens <= 0:
         return c.max_utilization
-    ctx = ro.mean_input_tokens + ro.mean_output_tokens / 2
-    if KV_HEADROOM * c.profile.kv_capacity_tokens / ctx < c.profile.max_num_seqs:
+    if kv_sequences(c.profile, ro.mean_input_tokens, ro.mean_output_tokens) < c.profile.max_num_seqs:
         return c.max_utilization
     return max(c.max_utilization, c.decode_compute_utilization)
 

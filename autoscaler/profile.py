@@ -127,6 +127,16 @@ ITL_HEADROOM = 0.8  # decode steps are sized to 80% of the ITL objective: mixed 
 KV_HEADROOM = 0.9  # KV fraction a full decode batch may hold (growth past the mean, preemption margin)
 
 
+def decode_context(mean_input: float, mean_output: float) -> float:
+    """Mean KV tokens of a decoding sequence over its life (its prompt and half its output)."""
+    return mean_input + mean_output / 2
+
+
+def kv_sequences(profile: ReplicaProfile, mean_input: float, mean_output: float) -> int:
+    """Sequences of these mean lengths one replica's KV cache holds, at KV_HEADROOM of it."""
+    return int(KV_HEADROOM * profile.kv_capacity_tokens / max(1.0, decode_context(mean_input, mean_output)))
+
+
 def capacity_at_slo(profile: ReplicaProfile, ttft_s: float, itl_s: float, mean_input: float, mean_output: float,
                     max_utilization: float = 0.9) -> ReplicaCapacity:
     """A replica's capacity at the SLO for requests of these mean lengths (tokens).
@@ -141,9 +151,8 @@ def capacity_at_slo(profile: ReplicaProfile, ttft_s: float, itl_s: float, mean_i
     slack = ttft_s - s
     rho = 0.0 if slack <= 0 else min(max_utilization, (slack / (TTFT_TAIL * s)) / (1 + slack / (TTFT_TAIL * s)))
     rho = max(rho, 0.05)  # prompts too long for the objective still need replicas: size them at 5%
-    ctx = mean_input + mean_output / 2  # mean KV tokens of a decoding sequence over its life
-    by_kv = int(KV_HEADROOM * profile.kv_capacity_tokens / max(1.0, ctx))
-    hi = max(1, min(profile.max_num_seqs, by_kv))
+    ctx = decode_context(mean_input, mean_output)
+    hi = max(1, min(profile.max_num_seqs, kv_sequences(profile, mean_input, mean_output)))
     batch = 1
     lo_b, hi_b = 1, hi
     while lo_b <= hi_b:  # the step time grows with the batch: bisect for the largest one in the objective
