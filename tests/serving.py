@@ -6,7 +6,6 @@ import json
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,11 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from splitserve.common.proc import free_port
 
 
 class Up:

@@ -17,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 from redis_server import RedisCluster, RedisServer
-from serving import Up, free_port, metric_sum, scrape
+from serving import Up, metric_sum, scrape
+
+from splitserve.common.proc import free_ports
 
 SHARED = [random.Random(7).randrange(1000, 30000) for _ in range(400)]  # a long shared prefix (25 blocks)
 
@@ -175,7 +177,7 @@ def test_a_killed_worker_leaves_and_its_restart_carries_no_stale_entries(tmp_pat
         assert after - before == 3
         # the same name comes back (a new process, a new instance id) with nothing cached
         config = up.components["config"]
-        port, mport = free_port(), free_port()
+        port, mport = free_ports(2)
         exe = Path(sys.executable).parent / "splitserve"
         log_path = tmp_path / "restarted-worker.log"
         with open(log_path, "wb") as log:  # its log explains a failure to stop (the child keeps its own copy)

@@ -23,7 +23,8 @@ import pytest
 pytest.importorskip("ray.serve")
 pytest.importorskip("vllm")
 from procs import LOOPBACK, Announcing, alive, cmdline, descendants, listeners, reap  # noqa: E402
-from serving import free_port  # noqa: E402
+
+from splitserve.common.proc import free_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -39,7 +40,7 @@ def health(url: str) -> dict:
 def test_serve_ray_on_an_existing_cluster_with_vllm_workers() -> None:
     from openai import OpenAI
 
-    gcs, port = free_port(), free_port()
+    gcs, port = free_ports(2)
     # a short temp dir: Ray's Unix sockets live under it (108 bytes at most for a socket's path)
     tmp = Path(tempfile.mkdtemp(prefix="ssray-", dir="/tmp"))
     # the cluster asks for a token (Ray's default for a new cluster); serve-ray joins with it

@@ -27,7 +27,7 @@ import pytest
 from conftest import make_random_model
 from serving import metric_sum, scrape
 
-from splitserve.common.proc import free_port
+from splitserve.common.proc import free_ports
 from splitserve.common.protocol import PROTOCOL_VERSION
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
@@ -43,7 +43,7 @@ BUDGET = 32  # tokens per step: prompts of 40-90 tokens stream in 2-3 chunks
 
 class Worker:
     def __init__(self, role: str, model: Path, tp: int, *extra: str) -> None:
-        self.port, self.mport = free_port(), free_port()
+        self.port, self.mport = free_ports(2)
         self.endpoint = f"127.0.0.1:{self.port}"
         exe = Path(sys.executable).parent / "splitserve"
         cmd = [str(exe), "worker", "--role", role, "--model", str(model), "--device", "cpu", "--dtype", "float32",
