@@ -21,6 +21,7 @@ Runs are spread over --jobs processes (each rebuilds its requests from the trace
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -302,6 +303,115 @@ def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, p
     return out
 
 
+BOUND_WINDOW_S = 30.0  # s, the references' plan windows
+BOUND_MARGINS = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (2, 2), (2, 3), (4, 2), (4, 3), (4, 4), (6, 3), (6, 4),
+                 (8, 4), (10, 5))  # standing (prefill, decode) replicas above the plans
+BOUND_SHORTER_STARTS = (30.0, 15.0)  # s, cold starts the onset-blind reference is also run with
+
+
+@functools.lru_cache(maxsize=1)
+def bursty_onsets(case: TraceCase, duration: float | None, gpus: int):
+    """The bursty experiment (its requests only read) and, per request, the start of the burst it belongs to
+    (None: the base stream)."""
+    from splitserve.autoscaler.sim import bursty, trace
+
+    exp = experiment(case, duration, gpus)
+    _, found, tags = bursty.generate_tagged(bursty.BurstyConfig(max_prompt=case.max_input), seed=0)
+    sources = trace.scale_sources(trace_rows(case), rate_scale=case.rate_scale, duration_s=duration, seed=0)
+    return exp, [None if tags[sources[r.rid]] < 0 else found[tags[sources[r.rid]]].start for r in exp.requests]
+
+
+def bursty_known(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None) -> list:
+    """Window k's requests that a reference planning it knows of: all of them (`lead_s` None), or those of the
+    base stream and of the bursts that began at least `lead_s` before the window ends."""
+    exp, onsets = bursty_onsets(case, duration, gpus)
+    start, end = k * BOUND_WINDOW_S, (k + 1) * BOUND_WINDOW_S
+    return [r for r, onset in zip(exp.requests, onsets, strict=True) if start <= r.arrival < end
+            and (lead_s is None or onset is None or onset <= end - lead_s)]
+
+
+def task_bound_window(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None) -> list[int]:
+    """The cheapest static (P, D) for what the reference knows of window k (replayed alone, as the oracle's)."""
+    from splitserve.autoscaler.sim.oracle import cheapest_static
+    from splitserve.autoscaler.sim.trace import SimRequest
+
+    exp, _ = bursty_onsets(case, duration, gpus)
+    start = k * BOUND_WINDOW_S
+    known = bursty_known(case, duration, gpus, k, lead_s)
+    if not known:
+        return [0, 0]
+    shifted = [SimRequest(i, r.arrival - start, r.prompt, r.output, r.hash_ids, r.hash_block) for i, r in enumerate(known)]
+    c = cheapest_static(shifted, settings_of(exp), BOUND_WINDOW_S, TARGET, exp.max_replicas, gpus)
+    return [c.prefill, c.decode]
+
+
+def task_bound_run(case: TraceCase, duration: float | None, gpus: int, plans: list[list[int]],
+                   margin: tuple[int, int], cold_start_s: float) -> dict[str, Any]:
+    from splitserve.autoscaler.sim.laws import ForesightLaw
+    from splitserve.autoscaler.sim.report import summary
+    from splitserve.autoscaler.sim.simulator import simulate
+
+    exp = experiment(case, duration, gpus, model_load_s=cold_start_s)
+    law = ForesightLaw([(p, d) for p, d in plans], BOUND_WINDOW_S, cold_start_s, margin,
+                       interval_s=exp.spec.autoscaling.interval_seconds)
+    ahead = plans[min(int(cold_start_s // BOUND_WINDOW_S), len(plans) - 1)]
+    first = (max(1, plans[0][0], ahead[0]) + margin[0], max(1, plans[0][1], ahead[1]) + margin[1])
+    res = simulate(exp.requests, settings_of(exp), law, first)
+    return summary(res) | {"margin": list(margin)}
+
+
+def bound(duration: float | None, gpus: int, jobs: int, reuse: bool) -> dict[str, Any]:
+    """How far the bursty trace's goal is from what any law reading only the past can reach. The references
+    follow per-30-s-window plans (the cheapest static P:D for the window's requests replayed alone, as the
+    oracle's) plus a standing margin of replicas, scaling up a cold start ahead of each window: `foresight` plans
+    from every request (it knows the future: what a cold start costs when nothing is a surprise);
+    `onset-blind@C` plans from the base stream's requests and those of the bursts that began at least a cold
+    start C before the window ends, so a burst is a surprise for its first cold start and no longer (it then
+    knows the burst's every request to its end). That is more than any causal law knows: a law deciding at
+    t - C knows nothing of a burst that begins after, and a Poisson process of burst starts gives the past no
+    hint of the next one. The cold start is simulated as C. -> results/autoscaling_bound.json"""
+    case = CASES["bursty"]
+    base = json.loads((RESULTS / "autoscaling_bursty.json").read_text())
+    if base["duration_s"] != duration:
+        raise SystemExit(f"results/autoscaling_bursty.json is for duration {base['duration_s']}: run the benchmark "
+                         "with the same --duration first (the bound is priced against its oracle)")
+    oracle_s = base["policies"]["oracle"]["gpu_seconds"]
+    exp = experiment(case, duration, gpus)
+    lead = exp.spec.autoscaling.model_load_seconds
+    n = math.floor(exp.requests[-1].arrival / BOUND_WINDOW_S) + 1
+    refs = {"foresight": (None, lead)} | {f"onset-blind@{c:g}": (c, c) for c in (lead, *BOUND_SHORTER_STARTS)}
+    t0 = time.perf_counter()
+    path = RESULTS / "autoscaling_bound.json"
+    prev = json.loads(path.read_text()) if reuse and path.exists() else None
+    kept = prev["plans"] if prev and (prev["duration_s"], prev["window_s"]) == (duration, BOUND_WINDOW_S) else {}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        plans = {name: kept.get(name) or list(pool.map(task_bound_window, *zip(*[(case, duration, gpus, k, known)
+                                                                                 for k in range(n)], strict=True)))
+                 for name, (known, _) in refs.items()}
+        tasks = [(name, m) for name in refs for m in BOUND_MARGINS]
+        runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[name], m, refs[name][1])
+                                                    for name, m in tasks], strict=True)))
+    rows = []
+    for (name, m), r in zip(tasks, runs, strict=True):
+        rows.append({"reference": name, "cold_start_s": refs[name][1], "margin": list(m),
+                     "slo_attainment": r["slo_attainment"], "feasible_attainment": r["feasible_attainment"],
+                     "gpu_seconds": r["gpu_seconds"], "gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3),
+                     "max_gpus": r["max_gpus"], "scale_changes": r["scale_changes"]})
+    out = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
+           "window_s": BOUND_WINDOW_S, "oracle_gpu_seconds": oracle_s, "plans": plans, "runs": rows,
+           "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print("| reference | cold start | margin P+D | attainment | of feasible | GPU-s × oracle | peak GPUs |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['reference']} | {r['cold_start_s']:g} s | {r['margin'][0]}+{r['margin'][1]} | "
+              f"{r['slo_attainment']:.3f} | {r['feasible_attainment']:.3f} | {r['gpu_seconds_vs_oracle']:.2f} | "
+              f"{r['max_gpus']} |")
+    print(json.dumps({"bound": {f"{r['reference']}+{r['margin'][0]}x{r['margin'][1]}":
+                                [r["feasible_attainment"], r["gpu_seconds_vs_oracle"]] for r in rows}}))
+    return out
+
+
 def print_trace(name: str, r: dict[str, Any]) -> None:
     print(f"\n{name}: {r['requests']} requests ({r['trace']} x{r['rate_scale']:g}), budget {r['gpu_budget']} GPUs, "
           f"start {r['initial']}, oracle peak {r['policies']['oracle']['max_gpus']} GPUs")
@@ -576,6 +686,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run just these policies (law, law@PxD: another start, "
                     "law+minPxD: with minReplicas P prefill and D decode), "
                     "added to the results file's; 'cold' = " + ",".join(COLD))
+    ap.add_argument("--bound", action="store_true", help="the bursty trace against references that know its "
+                    "future but a burst's first cold start -> results/autoscaling_bound.json")
     ap.add_argument("--robustness", action="store_true",
                     help="each --only law (default slo) under another seed, +-20%% profile error and 30/120 s cold "
                     "starts -> results/autoscaling_robustness.{md,json} (needs the traces' results files)")
@@ -605,6 +717,9 @@ def main() -> None:
         for n in names:
             CASES[n] = TraceCase(CASES[n].name, CASES[n].file, args.rate_scale, CASES[n].max_input)
     only = list(COLD) if args.only == "cold" else [p for p in args.only.split(",") if p] or None
+    if args.bound:
+        bound(args.duration, args.gpus, args.jobs, args.reuse_baselines)
+        return
     if args.robustness:
         robustness(names, args.duration, args.gpus, args.jobs, only or ["slo"])
         return

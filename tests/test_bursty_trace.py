@@ -40,6 +40,23 @@ def test_bursts_carry_several_times_the_base_rate_with_longer_prompts(seed):
     assert sum(r.output for r in rows) < 0.2 * sum(r.prompt for r in rows)  # short outputs
 
 
+def test_tags_name_each_rows_burst_and_scaled_copies_name_their_row():
+    """What the bound's references plan from: which burst brought each row (-1: the base stream), and which row
+    each request of a rate-scaled replay copies."""
+    cfg = bursty.BurstyConfig(duration_s=1800)
+    rows, found, tags = bursty.generate_tagged(cfg, seed=1)
+    assert (rows, found) == bursty.generate(cfg, seed=1)
+    assert len(tags) == len(rows) and set(tags) == {-1, *range(len(found))}
+    for r, tag in zip(rows, tags, strict=True):
+        if tag >= 0:
+            assert found[tag].start <= r.arrival < found[tag].start + found[tag].length
+    requests = trace.scale(rows, rate_scale=2.5, seed=3)
+    sources = trace.scale_sources(rows, rate_scale=2.5, seed=3)
+    assert len(sources) == len(requests) and len(set(sources)) == len(rows)
+    for q, k in zip(requests, sources, strict=True):
+        assert (q.prompt, q.output) == (rows[k].prompt, rows[k].output) and q.arrival >= rows[k].arrival
+
+
 def test_invalid_config_names_the_field():
     with pytest.raises(ValueError, match="base_rate"):
         bursty.BurstyConfig(base_rate=0)

@@ -27,7 +27,7 @@ from splitserve.autoscaler.sim.calibrate import (
     kv_case,
     measured_prefill_steps,
 )
-from splitserve.autoscaler.sim.laws import DynamoLoadLaw, LateOracleLaw, SLOLaw, StaticLaw
+from splitserve.autoscaler.sim.laws import DynamoLoadLaw, ForesightLaw, LateOracleLaw, SLOLaw, StaticLaw
 from splitserve.autoscaler.sim.report import summary
 from splitserve.autoscaler.sim.simulator import SimSettings, Simulation, fresh, simulate
 from splitserve.autoscaler.sim.trace import SimRequest, Status
@@ -136,6 +136,25 @@ def test_the_late_oracle_holds_the_largest_plan_of_the_windows_before():
         Observation(45.0, 1.0, RoleObservation("prefill", 1), RoleObservation("decode", 1)))[:2] == (4, 5)
     res = simulate(fresh(mixed(200)), SETTINGS, LateOracleLaw([(1, 1), (3, 2)], window_s=5.0, interval_s=1.0), (1, 1))
     assert max(pt.prefill["ready"] + pt.prefill["starting"] for pt in res.timeline) == 3
+
+
+def test_the_foresight_reference_scales_up_a_cold_start_ahead_and_down_on_time():
+    """The bound's reference: a window's plan (plus the standing margin) is asked for a cold start before the
+    window begins, so its replicas are ready when it does, and kept until a window that needs fewer begins."""
+    plans = [(1, 1), (1, 1), (4, 3), (1, 2), (1, 1)]
+    ahead = ForesightLaw(plans, window_s=10.0, lead_s=15.0, margin=(1, 0))
+
+    def at(t: float) -> tuple[int, int]:
+        p, d, _ = ahead.decide(Observation(t, 1.0, RoleObservation("prefill", 1), RoleObservation("decode", 1)))
+        return p, d
+
+    assert [at(t) for t in (0.0, 4.9, 5.0, 19.9, 29.9, 30.0, 35.0, 99.0)] == [
+        (2, 1), (2, 1), (5, 3), (5, 3), (5, 3), (2, 2), (2, 2), (2, 1)]
+    res = simulate(fresh(mixed(200)), SETTINGS,
+                   ForesightLaw([(1, 1), (1, 1), (3, 2)], window_s=4.0, lead_s=PROFILE.model_load_seconds,
+                                interval_s=1.0), (1, 1))
+    ready = [(pt.time, pt.prefill["ready"]) for pt in res.timeline]
+    assert any(n == 3 for t, n in ready if t <= 8.0 + 1.0)  # loaded by the time window 2 begins (1 s decisions)
 
 
 def test_same_inputs_same_run():

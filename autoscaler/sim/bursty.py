@@ -67,13 +67,20 @@ def bursts(cfg: BurstyConfig, rng: random.Random) -> list[Burst]:
 
 def generate(cfg: BurstyConfig = BurstyConfig(), seed: int = 0) -> tuple[list[TraceRow], list[Burst]]:
     """The trace's rows (sorted by arrival) and the bursts it holds (for tests and plots)."""
+    rows, found, _ = generate_tagged(cfg, seed)
+    return rows, found
+
+
+def generate_tagged(cfg: BurstyConfig = BurstyConfig(), seed: int = 0) -> tuple[list[TraceRow], list[Burst], list[int]]:
+    """`generate`'s rows and bursts, and for each row the index of the burst it belongs to (-1: the base stream),
+    for references that know which requests a burst brought."""
     rng = random.Random(seed)
     found = bursts(cfg, rng)
 
     def length(median: int, sigma: float, top: int) -> int:
         return max(1, min(top, round(rng.lognormvariate(math.log(median), sigma))))
 
-    rows: list[tuple[float, int, int]] = []
+    rows: list[tuple[float, int, int, int]] = []
     top_rate = cfg.base_rate * (1 + cfg.base_swing)
     t = 0.0
     while True:  # the base stream: a Poisson process thinned to its sinusoidal rate
@@ -83,14 +90,14 @@ def generate(cfg: BurstyConfig = BurstyConfig(), seed: int = 0) -> tuple[list[Tr
         rate = cfg.base_rate * (1 + cfg.base_swing * math.sin(2 * math.pi * t / cfg.period_s))
         if rng.random() * top_rate < rate:
             rows.append((t, length(cfg.base_prompt, cfg.prompt_sigma, cfg.max_prompt),
-                         length(cfg.output_tokens, cfg.output_sigma, cfg.max_output)))
-    for b in found:
+                         length(cfg.output_tokens, cfg.output_sigma, cfg.max_output), -1))
+    for i, b in enumerate(found):
         t = b.start
         while True:
             t += rng.expovariate(b.rate) if b.rate > 0 else math.inf
             if t >= min(b.start + b.length, cfg.duration_s):
                 break
             rows.append((t, length(cfg.burst_prompt, cfg.prompt_sigma, cfg.max_prompt),
-                         length(cfg.output_tokens, cfg.output_sigma, cfg.max_output)))
+                         length(cfg.output_tokens, cfg.output_sigma, cfg.max_output), i))
     rows.sort()
-    return [TraceRow(a, p, o) for a, p, o in rows], found
+    return [TraceRow(a, p, o) for a, p, o, _ in rows], found, [tag for *_, tag in rows]

@@ -192,3 +192,26 @@ class LateOracleLaw:
         past = self.plans[max(0, k - self.span):k] or self.plans[:1]
         p, d = max(x[0] for x in past), max(x[1] for x in past)
         return max(1, p), max(1, d), f"the oracle's largest plan of the {len(past)} windows before window {k}"
+
+
+@dataclass
+class ForesightLaw:
+    """A reference, not a law: it follows a plan per window that its caller computed (with whatever knowledge of
+    the future the caller grants), plus a standing `margin` of (prefill, decode) replicas: the largest plan of
+    the windows from now to a cold start (`lead_s`) ahead, so a window's replicas are ready when it begins and
+    kept until a window that needs fewer begins."""
+
+    plans: list[tuple[int, int]]  # (prefill, decode) per window, from time 0
+    window_s: float
+    lead_s: float
+    margin: tuple[int, int] = (0, 0)
+    interval_s: float = 15.0
+    name: str = "foresight"
+    kills_on_scale_down: bool = False
+
+    def decide(self, obs: Observation) -> tuple[int, int, str]:
+        last = len(self.plans) - 1
+        first = min(int(obs.time // self.window_s), last)
+        span = self.plans[first:min(int((obs.time + self.lead_s) // self.window_s), last) + 1]
+        p, d = max(x[0] for x in span) + self.margin[0], max(x[1] for x in span) + self.margin[1]
+        return max(1, p), max(1, d), f"the largest plan of the next {self.lead_s:.0f} s, margin {self.margin}"

@@ -153,23 +153,35 @@ def scale(rows: list[TraceRow], time_scale: float = 1.0, rate_scale: float = 1.0
     """Requests from trace rows: the slice [start_s, start_s + duration_s) of the trace (trace seconds), its
     times multiplied by `time_scale`, each row replayed `rate_scale` times on average (copies after the first
     shifted by up to one mean inter-arrival gap). Sorted by arrival, ids 0..n-1."""
+    return [SimRequest(i, t, rows[k].prompt, rows[k].output, rows[k].hash_ids)
+            for i, (t, k) in enumerate(_replayed(rows, time_scale, rate_scale, start_s, duration_s, seed))]
+
+
+def scale_sources(rows: list[TraceRow], time_scale: float = 1.0, rate_scale: float = 1.0, start_s: float = 0.0,
+                  duration_s: float | None = None, seed: int = 0) -> list[int]:
+    """For each request `scale` makes with the same arguments (by id), the index of the row it replays."""
+    return [k for _, k in _replayed(rows, time_scale, rate_scale, start_s, duration_s, seed)]
+
+
+def _replayed(rows: list[TraceRow], time_scale: float, rate_scale: float, start_s: float, duration_s: float | None,
+              seed: int) -> list[tuple[float, int]]:
     if time_scale <= 0 or rate_scale <= 0:
         raise ValueError("time_scale and rate_scale must be > 0")
     rng = random.Random(seed)
     end = float("inf") if duration_s is None else start_s + duration_s
-    chosen = [r for r in rows if start_s <= r.arrival < end]
+    chosen = [k for k, r in enumerate(rows) if start_s <= r.arrival < end]
     if not chosen:
         raise ValueError(f"no requests in [{start_s}, {end}) s of the trace")
-    span = max(chosen[-1].arrival - chosen[0].arrival, 1e-9)
+    span = max(rows[chosen[-1]].arrival - rows[chosen[0]].arrival, 1e-9)
     gap = span / max(1, len(chosen)) * time_scale  # s, mean inter-arrival after time scaling
-    out: list[tuple[float, TraceRow]] = []
-    for r in chosen:
-        t = (r.arrival - start_s) * time_scale
+    out: list[tuple[float, int]] = []
+    for k in chosen:
+        t = (rows[k].arrival - start_s) * time_scale
         copies = int(rate_scale) + (1 if rng.random() < rate_scale - int(rate_scale) else 0)
         for c in range(copies):
-            out.append((t if c == 0 else t + rng.random() * gap, r))
+            out.append((t if c == 0 else t + rng.random() * gap, k))
     out.sort(key=lambda x: x[0])
-    return [SimRequest(i, t, r.prompt, r.output, r.hash_ids) for i, (t, r) in enumerate(out)]
+    return out
 
 
 def poisson(n: int, rate: float, input_len: int, output_len: int, seed: int = 0) -> list[SimRequest]:
