@@ -15,6 +15,9 @@ a generated bursty, prefill-heavy one (autoscaler/sim/bursty.py, seed 0), in the
                 GPU-seconds against the oracle's, a table and a last JSON line; results/autoscaling_<trace>.json
   --robustness  each --only law (default slo) under another seed, a profile 20% off either way and cold starts of
                 30 s and 120 s -> results/autoscaling_robustness.{md,json} (JSON lines, the summary last)
+  --bound       the bursty trace against references that follow per-30-s plans with a standing margin: one knows
+                the future, one knows all but each burst's first cold start (60, 30, 15 s), a bound on any law
+                that reads only the past -> results/autoscaling_bound.json
 Runs are spread over --jobs processes (each rebuilds its requests from the trace: same seed, same requests).
 """
 
