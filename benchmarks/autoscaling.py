@@ -110,17 +110,15 @@ def settings_of(exp):
 
 def task_window(case: TraceCase, duration: float | None, gpus: int, k: int) -> dict[str, Any]:
     """The oracle's search for window k."""
-    from splitserve.autoscaler.sim.oracle import cheapest_static
-    from splitserve.autoscaler.sim.trace import SimRequest
+    from splitserve.autoscaler.sim.oracle import cheapest_static, shifted
 
     exp = experiment(case, duration, gpus)
     start = k * exp.window_s
     chosen = [r for r in exp.requests if start <= r.arrival < start + exp.window_s]
     end = exp.requests[-1].arrival
     length = min(exp.window_s, max(end - start, 1e-3))
-    shifted = [SimRequest(i, r.arrival - start, r.prompt, r.output, r.hash_ids, r.hash_block) for i, r in enumerate(chosen)]
     settings = settings_of(exp)
-    c = cheapest_static(shifted, settings, length, TARGET, exp.max_replicas, gpus)
+    c = cheapest_static(shifted(chosen, start), settings, length, TARGET, exp.max_replicas, gpus)
     feasible = [r for r in c.result.requests if settings.feasible(r)]
     return {"k": k, "start": start, "length": length, "prefill": c.prefill, "decode": c.decode,
             "requests": len(chosen), "met": c.met, "target": c.target, "sims": c.sims, "feasible": len(feasible),
@@ -335,16 +333,14 @@ def bursty_known(case: TraceCase, duration: float | None, gpus: int, k: int, lea
 
 def task_bound_window(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None) -> list[int]:
     """The cheapest static (P, D) for what the reference knows of window k (replayed alone, as the oracle's)."""
-    from splitserve.autoscaler.sim.oracle import cheapest_static
-    from splitserve.autoscaler.sim.trace import SimRequest
+    from splitserve.autoscaler.sim.oracle import cheapest_static, shifted
 
     exp, _ = bursty_onsets(case, duration, gpus)
-    start = k * BOUND_WINDOW_S
     known = bursty_known(case, duration, gpus, k, lead_s)
     if not known:
         return [0, 0]
-    shifted = [SimRequest(i, r.arrival - start, r.prompt, r.output, r.hash_ids, r.hash_block) for i, r in enumerate(known)]
-    c = cheapest_static(shifted, settings_of(exp), BOUND_WINDOW_S, TARGET, exp.max_replicas, gpus)
+    c = cheapest_static(shifted(known, k * BOUND_WINDOW_S), settings_of(exp), BOUND_WINDOW_S, TARGET,
+                        exp.max_replicas, gpus)
     return [c.prefill, c.decode]
 
 

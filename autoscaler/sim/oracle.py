@@ -54,6 +54,12 @@ class OracleResult:
         return sum(w.sims for w in self.windows)
 
 
+def shifted(requests: list[SimRequest], start: float) -> list[SimRequest]:
+    """A window's requests as a trace of their own: arrivals from `start`, ids 0..n-1 (replayed alone)."""
+    return [SimRequest(i, r.arrival - start, r.prompt, r.output, r.hash_ids, r.hash_block)
+            for i, r in enumerate(requests)]
+
+
 def lower_bounds(requests: list[SimRequest], settings: SimSettings, span_s: float) -> tuple[int, int]:
     """Replicas that the window's mean load needs flat out (a floor for the searches)."""
     if not requests:
@@ -174,8 +180,7 @@ def oracle(requests: list[SimRequest], settings: SimSettings, window_s: float = 
         k += 1
         if not chosen:
             continue
-        shifted = [SimRequest(i, r.arrival - start, r.prompt, r.output, r.hash_ids, r.hash_block) for i, r in enumerate(chosen)]
-        c = cheapest_static(shifted, settings, length, target, max_replicas, budget)
+        c = cheapest_static(shifted(chosen, start), settings, length, target, max_replicas, budget)
         out.windows.append(WindowPlan(start, length, c.prefill, c.decode, len(chosen), c.met, c.target, c.sims))
     return out
 
