@@ -353,9 +353,7 @@ def task_bound_run(case: TraceCase, duration: float | None, gpus: int, plans: li
     exp = experiment(case, duration, gpus, model_load_s=cold_start_s)
     law = ForesightLaw([(p, d) for p, d in plans], BOUND_WINDOW_S, cold_start_s, margin,
                        interval_s=exp.spec.autoscaling.interval_seconds)
-    ahead = plans[min(int(cold_start_s // BOUND_WINDOW_S), len(plans) - 1)]
-    first = (max(1, plans[0][0], ahead[0]) + margin[0], max(1, plans[0][1], ahead[1]) + margin[1])
-    res = simulate(exp.requests, settings_of(exp), law, first)
+    res = simulate(exp.requests, settings_of(exp), law, law.at(0.0))
     return summary(res) | {"margin": list(margin)}
 
 

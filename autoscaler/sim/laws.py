@@ -209,9 +209,13 @@ class ForesightLaw:
     name: str = "foresight"
     kills_on_scale_down: bool = False
 
-    def decide(self, obs: Observation) -> tuple[int, int, str]:
+    def at(self, time: float) -> tuple[int, int]:
+        """The (prefill, decode) it holds at `time` (at 0: where its run starts, ready)."""
         last = len(self.plans) - 1
-        first = min(int(obs.time // self.window_s), last)
-        span = self.plans[first:min(int((obs.time + self.lead_s) // self.window_s), last) + 1]
+        first = min(int(time // self.window_s), last)
+        span = self.plans[first:min(int((time + self.lead_s) // self.window_s), last) + 1]
         p, d = max(x[0] for x in span) + self.margin[0], max(x[1] for x in span) + self.margin[1]
-        return max(1, p), max(1, d), f"the largest plan of the next {self.lead_s:.0f} s, margin {self.margin}"
+        return max(1, p), max(1, d)
+
+    def decide(self, obs: Observation) -> tuple[int, int, str]:
+        return *self.at(obs.time), f"the largest plan of the next {self.lead_s:.0f} s, margin {self.margin}"
