@@ -317,8 +317,8 @@ def bursty_onsets(case: TraceCase, duration: float | None, gpus: int):
     from splitserve.autoscaler.sim import bursty, trace
 
     exp = experiment(case, duration, gpus)
-    _, found, tags = bursty.generate_tagged(bursty.BurstyConfig(max_prompt=case.max_input), seed=0)
-    sources = trace.scale_sources(trace_rows(case), rate_scale=case.rate_scale, duration_s=duration, seed=0)
+    rows, found, tags = bursty.generate_tagged(bursty.BurstyConfig(max_prompt=case.max_input), seed=0)
+    sources = trace.scale_sources(rows, rate_scale=case.rate_scale, duration_s=duration, seed=0)
     return exp, [None if tags[sources[r.rid]] < 0 else found[tags[sources[r.rid]]].start for r in exp.requests]
 
 
