@@ -18,6 +18,9 @@ a generated bursty, prefill-heavy one (autoscaler/sim/bursty.py, seed 0), in the
   --bound       the bursty trace against references that follow per-30-s plans with a standing margin: one knows
                 the future, one knows all but each burst's first cold start (60, 30, 15 s), a bound on any law
                 that reads only the past -> results/autoscaling_bound.json
+  --ratchet     each --traces trace's clumps, its start pair held throughout, and ratchets that add replicas after
+                every window (2, 5, 10 min) under 95% attainment and never remove any: what learning a standing
+                capacity from the past costs -> results/autoscaling_ratchet.json
 Runs are spread over --jobs processes (each rebuilds its requests from the trace: same seed, same requests).
 """
 
@@ -409,6 +412,142 @@ def bound(duration: float | None, gpus: int, jobs: int, reuse: bool) -> dict[str
     return out
 
 
+RATCHET_WINDOWS = (120.0, 300.0, 600.0)  # s, how often the ratchet reads attainment
+RATCHET_STEPS = ((1, 1), (1, 0), (0, 1))  # (prefill, decode) replicas added after a window under the target
+CLUMP_BINS = (5.0, 15.0)  # s
+
+
+def task_ratchet(case: TraceCase, duration: float | None, gpus: int, initial: tuple[int, int], window_s: float,
+                 step: tuple[int, int]) -> dict[str, Any]:
+    """From the start pair, after each window whose attainment (all its requests) is under the target, add
+    `step` replicas from the next window on; never scale down. It reads every window's exact attainment, which
+    no law observes, and acts at the next window's start (its replicas load for the cold start)."""
+    from splitserve.autoscaler.sim.laws import ForesightLaw
+    from splitserve.autoscaler.sim.report import summary
+    from splitserve.autoscaler.sim.simulator import fresh, simulate
+
+    exp = experiment(case, duration, gpus)
+    n = math.floor(exp.requests[-1].arrival / window_s) + 1
+    plans, checked = [initial] * n, 0
+    while True:
+        res = simulate(fresh(exp.requests), settings_of(exp), ForesightLaw(plans, window_s, 0.0), initial)
+        short = next((k for k in range(checked, n - 1)
+                      if res.attainment(k * window_s, (k + 1) * window_s) < TARGET), None)
+        if short is None:
+            break
+        p, d = plans[short + 1]
+        plans = plans[:short + 1] + [(p + step[0], d + step[1])] * (n - short - 1)
+        checked = short + 1
+    return summary(res) | {"window_s": window_s, "step": list(step), "final": list(plans[-1]),
+                           "raised_at_s": [k * window_s for k in range(1, n) if plans[k] != plans[k - 1]]}
+
+
+MISS_WINDOW_S = 300.0  # s, the windows the ratchet's report counts misses over (the oracle's)
+
+
+def task_held(case: TraceCase, duration: float | None, gpus: int, pair: tuple[int, int] | None,
+              initial: tuple[int, int]) -> dict[str, Any]:
+    """A pair held for the whole trace (None: the SLO law from `initial`), with its misses per MISS_WINDOW_S."""
+    from splitserve.autoscaler.sim.laws import StaticLaw
+    from splitserve.autoscaler.sim.report import summary
+    from splitserve.autoscaler.sim.simulator import fresh, simulate
+
+    exp = experiment(case, duration, gpus)
+    s = settings_of(exp)
+    res = (simulate(fresh(exp.requests), s, StaticLaw(*pair), pair) if pair
+           else simulate(fresh(exp.requests), s, exp.law("slo"), initial))
+    misses = [0] * (math.floor(exp.requests[-1].arrival / MISS_WINDOW_S) + 1)
+    for r in res.requests:
+        if not r.meets(s.ttft_s, s.itl_s):
+            misses[math.floor(r.arrival / MISS_WINDOW_S)] += 1
+    return summary(res) | {"misses_per_window": misses}
+
+
+def clump_stats(case: TraceCase, duration: float | None, gpus: int) -> dict[str, Any]:
+    """The trace's clumps (bins with over twice the mean bin's prompt tokens) at each of CLUMP_BINS: how many,
+    how long, what share of the requests, and how regular their starts are (coefficient of variation of the
+    gaps: 1 for a Poisson process)."""
+    import statistics
+
+    from splitserve.autoscaler.sim.trace import clumps
+
+    exp = experiment(case, duration, gpus)
+    out: dict[str, Any] = {}
+    for b in CLUMP_BINS:
+        cs = clumps(exp.requests, b)
+        gaps = [y.start - x.start for x, y in zip(cs, cs[1:], strict=False)]
+        out[f"{b:g}s"] = {"clumps": len(cs), "length_mean_s": round(statistics.fmean(c.length_s for c in cs), 1),
+                          "length_max_s": max(c.length_s for c in cs),
+                          "requests_share": round(sum(c.requests for c in cs) / len(exp.requests), 3),
+                          "start_gap_mean_s": round(statistics.fmean(gaps), 1),
+                          "start_gap_cv": round(statistics.pstdev(gaps) / statistics.fmean(gaps), 2)}
+    load = [0.0] * (math.floor(exp.requests[-1].arrival / CLUMP_BINS[-1]) + 1)
+    for r in exp.requests:
+        load[math.floor(r.arrival / CLUMP_BINS[-1])] += r.prompt
+    lags = range(1, round(600 / CLUMP_BINS[-1]) + 1)
+    out["load_autocorrelation"] = {f"{k * CLUMP_BINS[-1]:g}s": round(statistics.correlation(load[:-k], load[k:]), 2)
+                                   for k in lags}
+    return out
+
+
+def _ratchet_row(r: dict[str, Any], oracle_s: float, **extra: Any) -> dict[str, Any]:
+    keep = ("slo_attainment", "feasible_attainment", "gpu_seconds", "max_gpus")
+    return extra | {k: r[k] for k in keep} | {"gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3)}
+
+
+def ratchet(names: list[str], duration: float | None, gpus: int, jobs: int) -> dict[str, Any]:
+    """What a law could learn of a clumpy trace's standing capacity: the trace's clumps, the start pair held
+    throughout, the best static and the SLO law (their misses per window beside the hour's allowance), and
+    ratchets that raise the start pair after every window short of the target (reading attainment no law
+    observes) and never lower it. -> results/autoscaling_ratchet.json"""
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"duration_s": duration, "gpu_budget": gpus, "traces": {}}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for name in names:
+            case = CASES[name]
+            base = json.loads((RESULTS / f"autoscaling_{name}.json").read_text())
+            if base["duration_s"] != duration:
+                raise SystemExit(f"results/autoscaling_{name}.json is for duration {base['duration_s']}: run the "
+                                 "benchmark with the same --duration first (the ratchet is priced against its oracle)")
+            oracle_s, initial = base["policies"]["oracle"]["gpu_seconds"], tuple(base["initial"])
+            tasks = [(w, s) for w in RATCHET_WINDOWS for s in RATCHET_STEPS]
+            static = tuple(base["policies"]["static"]["static"])
+            held = {key: pool.submit(task_held, case, duration, gpus, pair, initial)
+                    for key, pair in (("hold_start", initial), ("best_static", static), ("slo", None))}
+            runs = list(pool.map(task_ratchet, *zip(*[(case, duration, gpus, initial, w, s) for w, s in tasks],
+                                                    strict=True)))
+
+            out["traces"][name] = {
+                "initial": list(initial), "oracle_gpu_seconds": oracle_s, "clumps": clump_stats(case, duration, gpus),
+                "allowed_misses": math.floor((1 - TARGET) * len(experiment(case, duration, gpus).requests)),
+                "misses_window_s": MISS_WINDOW_S,
+                **{key: _ratchet_row(r, oracle_s, misses_per_window=r["misses_per_window"])
+                   for key, r in ((key, f.result()) for key, f in held.items())},
+                "best_static_pair": list(static),
+                "ratchets": [_ratchet_row(r, oracle_s, window_s=r["window_s"], step=r["step"], final=r["final"],
+                                          raised_at_s=r["raised_at_s"]) for r in runs]}
+    out |= {"wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
+    (RESULTS / "autoscaling_ratchet.json").write_text(json.dumps(out, indent=1) + "\n")
+    for name, r in out["traces"].items():
+        print(f"{name}: clumps {json.dumps(r['clumps'])}")
+        print("| policy | attainment | of feasible | GPU-s × oracle | final P:D, or misses per window |")
+        print("|---|---|---|---|---|")
+        for label, key in ((f"hold the start {r['initial'][0]}:{r['initial'][1]}", "hold_start"),
+                           ("best static " + ":".join(map(str, r["best_static_pair"])), "best_static"), ("slo", "slo")):
+            h = r[key]
+            print(f"| {label} | {h['slo_attainment']:.3f} | {h['feasible_attainment']:.3f} | "
+                  f"{h['gpu_seconds_vs_oracle']:.2f} | misses per {r['misses_window_s']:g} s: {h['misses_per_window']} |")
+        for x in r["ratchets"]:
+            print(f"| ratchet {x['window_s']:g} s +{x['step'][0]}:+{x['step'][1]} | {x['slo_attainment']:.3f} | "
+                  f"{x['feasible_attainment']:.3f} | {x['gpu_seconds_vs_oracle']:.2f} | {x['final'][0]}:{x['final'][1]} |")
+    print(json.dumps({"ratchet": {name: {f"{x['window_s']:g}s+{x['step'][0]}x{x['step'][1]}":
+                                         [x["feasible_attainment"], x["gpu_seconds_vs_oracle"]] for x in r["ratchets"]}
+                                  | {key: [r[key]["feasible_attainment"], r[key]["gpu_seconds_vs_oracle"]]
+                                     for key in ("hold_start", "best_static", "slo")}
+                                  for name, r in out["traces"].items()}}))
+    return out
+
+
 def print_trace(name: str, r: dict[str, Any]) -> None:
     print(f"\n{name}: {r['requests']} requests ({r['trace']} x{r['rate_scale']:g}), budget {r['gpu_budget']} GPUs, "
           f"start {r['initial']}, oracle peak {r['policies']['oracle']['max_gpus']} GPUs")
@@ -685,6 +824,8 @@ def main() -> None:
                     "added to the results file's; 'cold' = " + ",".join(COLD))
     ap.add_argument("--bound", action="store_true", help="the bursty trace against references that know its "
                     "future but a burst's first cold start -> results/autoscaling_bound.json")
+    ap.add_argument("--ratchet", action="store_true", help="each --traces trace's clumps, its start pair held, "
+                    "and ratchets that raise it after every window short of 95%% -> results/autoscaling_ratchet.json")
     ap.add_argument("--robustness", action="store_true",
                     help="each --only law (default slo) under another seed, +-20%% profile error and 30/120 s cold "
                     "starts -> results/autoscaling_robustness.{md,json} (needs the traces' results files)")
@@ -716,6 +857,9 @@ def main() -> None:
     only = list(COLD) if args.only == "cold" else [p for p in args.only.split(",") if p] or None
     if args.bound:
         bound(args.duration, args.gpus, args.jobs, args.reuse_baselines)
+        return
+    if args.ratchet:
+        ratchet(names, args.duration, args.gpus, args.jobs)
         return
     if args.robustness:
         robustness(names, args.duration, args.gpus, args.jobs, only or ["slo"])

@@ -57,6 +57,23 @@ def test_tags_name_each_rows_burst_and_scaled_copies_name_their_row():
         assert (q.prompt, q.output) == (rows[k].prompt, rows[k].output) and q.arrival >= rows[k].arrival
 
 
+def test_clumps_are_the_runs_of_bins_well_above_the_mean():
+    """A base of one 100-token prompt a second and two clumps (10 s and 20 s of 1,000-token prompts, 5 a second):
+    at 5-s bins the clumps are found where they are, as long as they are, with every request in their bins. On the
+    generated trace (15-s bins) every burst starts in a clump and every clump starts in a burst."""
+    base = [(float(t), 100) for t in range(300)]
+    burst = [(s + i / 5, 1000) for s, n in ((100.0, 50), (200.0, 100)) for i in range(n)]
+    reqs = [trace.SimRequest(i, t, p, 10) for i, (t, p) in enumerate(sorted(base + burst))]
+    found = trace.clumps(reqs, 5.0)
+    assert [(c.start, c.length_s, c.requests) for c in found] == [(100.0, 10.0, 60), (200.0, 20.0, 120)]
+    assert trace.clumps(reqs, 5.0, factor=1000.0) == [] and trace.clumps([], 5.0) == []
+    rows, bursts = bursty.generate(bursty.BurstyConfig(max_prompt=131072), seed=0)
+    requests = [trace.SimRequest(i, r.arrival, r.prompt, r.output) for i, r in enumerate(rows)]
+    spans = [(c.start, c.start + c.length_s) for c in trace.clumps(requests, 15.0)]
+    assert all(any(a - 30 <= b.start < z for a, z in spans) for b in bursts), (spans, bursts)
+    assert all(any(b.start - 30 <= a < b.start + b.length for b in bursts) for a, _ in spans), (spans, bursts)
+
+
 def test_invalid_config_names_the_field():
     with pytest.raises(ValueError, match="base_rate"):
         bursty.BurstyConfig(base_rate=0)

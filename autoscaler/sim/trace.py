@@ -206,3 +206,35 @@ def from_token_jobs(jobs: Sequence[tuple[float, Sequence[int], int]], block: int
             ids.append(h)
         out.append(SimRequest(i, arrival, len(tokens), output, tuple(ids), block))
     return out
+
+
+@dataclass(frozen=True)
+class Clump:
+    start: float  # s, the first bin's start
+    length_s: float  # whole bins
+    requests: int
+
+
+def clumps(requests: Sequence[SimRequest], bin_s: float, factor: float = 2.0) -> list[Clump]:
+    """Runs of `bin_s` bins whose prompt tokens exceed `factor` x the mean bin's (the trace's span cut into
+    bins from 0): the clumps a law would call bursts, each with its start, length and requests."""
+    if not requests:
+        return []
+    n = int(max(r.arrival for r in requests) // bin_s) + 1
+    tokens, counts = [0] * n, [0] * n
+    for r in requests:
+        k = int(r.arrival // bin_s)
+        tokens[k] += r.prompt
+        counts[k] += 1
+    high = [t > factor * sum(tokens) / n for t in tokens]
+    out: list[Clump] = []
+    k = 0
+    while k < n:
+        if not high[k]:
+            k += 1
+            continue
+        first = k
+        while k < n and high[k]:
+            k += 1
+        out.append(Clump(first * bin_s, (k - first) * bin_s, sum(counts[first:k])))
+    return out
