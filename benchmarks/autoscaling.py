@@ -521,8 +521,8 @@ def ratchet(names: list[str], duration: float | None, gpus: int, jobs: int) -> d
                 "initial": list(initial), "oracle_gpu_seconds": oracle_s, "clumps": clump_stats(case, duration, gpus),
                 "allowed_misses": math.floor((1 - TARGET) * len(experiment(case, duration, gpus).requests)),
                 "misses_window_s": MISS_WINDOW_S,
-                **{key: _ratchet_row(r, oracle_s, misses_per_window=r["misses_per_window"])
-                   for key, r in ((key, f.result()) for key, f in held.items())},
+                **{key: _ratchet_row(f.result(), oracle_s, misses_per_window=f.result()["misses_per_window"])
+                   for key, f in held.items()},
                 "best_static_pair": list(static),
                 "ratchets": [_ratchet_row(r, oracle_s, window_s=r["window_s"], step=r["step"], final=r["final"],
                                           raised_at_s=r["raised_at_s"]) for r in runs]}
