@@ -253,6 +253,16 @@ def task_robust(case: TraceCase, duration: float | None, gpus: int, policy: str,
     return summary(res) | {"policy": policy, "variant": variant, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def trace_results(name: str, duration: float | None, use: str) -> dict[str, Any]:
+    """results/autoscaling_<name>.json, which `use` (a reason, for the error) prices against; refused when it is
+    for another --duration."""
+    base = json.loads((RESULTS / f"autoscaling_{name}.json").read_text())
+    if base["duration_s"] != duration:
+        raise SystemExit(f"results/autoscaling_{name}.json is for duration {base['duration_s']}: run the benchmark "
+                         f"with the same --duration first ({use})")
+    return base
+
+
 def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, policies: list[str]) -> dict[str, Any]:
     """Each law on each trace under every ROBUSTNESS variant; GPU-seconds against the base oracle (the oracle is
     not re-searched per variant: it pays no cold start, and seeds and profile errors move it little) and against
@@ -262,10 +272,7 @@ def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, p
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for name in names:
             case = CASES[name]
-            base = json.loads((RESULTS / f"autoscaling_{name}.json").read_text())
-            if base["duration_s"] != duration:
-                raise SystemExit(f"results/autoscaling_{name}.json is for duration {base['duration_s']}: run the "
-                                 "benchmark with the same --duration first (robustness reuses its oracle)")
+            base = trace_results(name, duration, "robustness reuses its oracle")
             oracle_s = base["policies"]["oracle"]["gpu_seconds"]
             initial = tuple(base["initial"])
             tasks = [(p, v) for p in policies for v in ROBUSTNESS]
@@ -371,10 +378,7 @@ def bound(duration: float | None, gpus: int, jobs: int, reuse: bool) -> dict[str
     t - C knows nothing of a burst that begins after, and a Poisson process of burst starts gives the past no
     hint of the next one. The cold start is simulated as C. -> results/autoscaling_bound.json"""
     case = CASES["bursty"]
-    base = json.loads((RESULTS / "autoscaling_bursty.json").read_text())
-    if base["duration_s"] != duration:
-        raise SystemExit(f"results/autoscaling_bursty.json is for duration {base['duration_s']}: run the benchmark "
-                         "with the same --duration first (the bound is priced against its oracle)")
+    base = trace_results("bursty", duration, "the bound is priced against its oracle")
     oracle_s = base["policies"]["oracle"]["gpu_seconds"]
     exp = experiment(case, duration, gpus)
     lead = exp.spec.autoscaling.model_load_seconds
@@ -463,27 +467,24 @@ def task_held(case: TraceCase, duration: float | None, gpus: int, pair: tuple[in
     return summary(res) | {"misses_per_window": misses}
 
 
-def clump_stats(case: TraceCase, duration: float | None, gpus: int) -> dict[str, Any]:
+def clump_stats(requests: list) -> dict[str, Any]:
     """The trace's clumps (bins with over twice the mean bin's prompt tokens) at each of CLUMP_BINS: how many,
     how long, what share of the requests, and how regular their starts are (coefficient of variation of the
     gaps: 1 for a Poisson process)."""
     import statistics
 
-    from splitserve.autoscaler.sim.trace import clumps
+    from splitserve.autoscaler.sim.trace import clumps, per_bin
 
-    exp = experiment(case, duration, gpus)
     out: dict[str, Any] = {}
     for b in CLUMP_BINS:
-        cs = clumps(exp.requests, b)
+        cs = clumps(requests, b)
         gaps = [y.start - x.start for x, y in zip(cs, cs[1:], strict=False)]
         out[f"{b:g}s"] = {"clumps": len(cs), "length_mean_s": round(statistics.fmean(c.length_s for c in cs), 1),
                           "length_max_s": max(c.length_s for c in cs),
-                          "requests_share": round(sum(c.requests for c in cs) / len(exp.requests), 3),
+                          "requests_share": round(sum(c.requests for c in cs) / len(requests), 3),
                           "start_gap_mean_s": round(statistics.fmean(gaps), 1),
                           "start_gap_cv": round(statistics.pstdev(gaps) / statistics.fmean(gaps), 2)}
-    load = [0.0] * (math.floor(exp.requests[-1].arrival / CLUMP_BINS[-1]) + 1)
-    for r in exp.requests:
-        load[math.floor(r.arrival / CLUMP_BINS[-1])] += r.prompt
+    load, _ = per_bin(requests, CLUMP_BINS[-1])
     lags = range(1, round(600 / CLUMP_BINS[-1]) + 1)
     out["load_autocorrelation"] = {f"{k * CLUMP_BINS[-1]:g}s": round(statistics.correlation(load[:-k], load[k:]), 2)
                                    for k in lags}
@@ -505,10 +506,7 @@ def ratchet(names: list[str], duration: float | None, gpus: int, jobs: int) -> d
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         for name in names:
             case = CASES[name]
-            base = json.loads((RESULTS / f"autoscaling_{name}.json").read_text())
-            if base["duration_s"] != duration:
-                raise SystemExit(f"results/autoscaling_{name}.json is for duration {base['duration_s']}: run the "
-                                 "benchmark with the same --duration first (the ratchet is priced against its oracle)")
+            base = trace_results(name, duration, "the ratchet is priced against its oracle")
             oracle_s, initial = base["policies"]["oracle"]["gpu_seconds"], tuple(base["initial"])
             tasks = [(w, s) for w in RATCHET_WINDOWS for s in RATCHET_STEPS]
             static = tuple(base["policies"]["static"]["static"])
@@ -517,9 +515,10 @@ def ratchet(names: list[str], duration: float | None, gpus: int, jobs: int) -> d
             runs = list(pool.map(task_ratchet, *zip(*[(case, duration, gpus, initial, w, s) for w, s in tasks],
                                                     strict=True)))
 
+            requests = experiment(case, duration, gpus).requests
             out["traces"][name] = {
-                "initial": list(initial), "oracle_gpu_seconds": oracle_s, "clumps": clump_stats(case, duration, gpus),
-                "allowed_misses": math.floor((1 - TARGET) * len(experiment(case, duration, gpus).requests)),
+                "initial": list(initial), "oracle_gpu_seconds": oracle_s, "clumps": clump_stats(requests),
+                "allowed_misses": math.floor((1 - TARGET) * len(requests)),
                 "misses_window_s": MISS_WINDOW_S,
                 **{key: _ratchet_row(f.result(), oracle_s, misses_per_window=f.result()["misses_per_window"])
                    for key, f in held.items()},

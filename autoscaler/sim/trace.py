@@ -215,17 +215,24 @@ class Clump:
     requests: int
 
 
-def clumps(requests: Sequence[SimRequest], bin_s: float, factor: float = 2.0) -> list[Clump]:
-    """Runs of `bin_s` bins whose prompt tokens exceed `factor` x the mean bin's (the trace's span cut into
-    bins from 0): the clumps a law would call bursts, each with its start, length and requests."""
-    if not requests:
-        return []
-    n = int(max(r.arrival for r in requests) // bin_s) + 1
+def per_bin(requests: Sequence[SimRequest], bin_s: float) -> tuple[list[int], list[int]]:
+    """Prompt tokens and requests arriving in each `bin_s` bin, from 0 to the last arrival's bin."""
+    n = int(max((r.arrival for r in requests), default=0.0) // bin_s) + 1
     tokens, counts = [0] * n, [0] * n
     for r in requests:
         k = int(r.arrival // bin_s)
         tokens[k] += r.prompt
         counts[k] += 1
+    return tokens, counts
+
+
+def clumps(requests: Sequence[SimRequest], bin_s: float, factor: float = 2.0) -> list[Clump]:
+    """Runs of `bin_s` bins whose prompt tokens exceed `factor` x the mean bin's (the trace's span cut into
+    bins from 0): the clumps a law would call bursts, each with its start, length and requests."""
+    if not requests:
+        return []
+    tokens, counts = per_bin(requests, bin_s)
+    n = len(tokens)
     high = [t > factor * sum(tokens) / n for t in tokens]
     out: list[Clump] = []
     k = 0
