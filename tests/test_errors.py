@@ -66,6 +66,43 @@ def test_an_unreachable_redis_degrades_to_the_default():
     asyncio.run(main())
 
 
+def test_a_restarted_redis_is_reached_once_and_the_link_stays_up():
+    """Calls in parallel leave several connections in the client's pool. After Redis restarts, the link comes
+    back on a new client: no call lands on a connection to the server that died, so the link stays up."""
+    async def main() -> None:
+        server = RedisServer()
+        link = RedisLink(server.url, timeout=0.5, retry_s=0.1)
+        await link.start()
+        ups = 0
+
+        async def counted() -> None:
+            nonlocal ups
+            ups += 1
+
+        link.on_up(counted)
+        try:
+            await asyncio.gather(*(link.call(lambda r: r.blpop(["nothing"], timeout=0.2)) for _ in range(6)))
+            server.stop()  # SIGKILL
+            assert await link.call(lambda r: r.get("k"), "default") == "default"
+            server.start()  # the same port
+            for _ in range(100):
+                if link.up:
+                    break
+                await asyncio.sleep(0.1)
+            assert link.up and ups == 1
+            failures = link.failures
+            for _ in range(3):
+                got = await asyncio.gather(*(link.call(lambda r: r.blpop(["nothing"], timeout=0.1), "down")
+                                             for _ in range(6)))
+                assert got == [None] * 6
+            assert link.up and link.failures == failures and ups == 1
+        finally:
+            await link.close()
+            server.close()
+
+    asyncio.run(main())
+
+
 def test_a_redis_that_never_answers_is_unreachable_not_a_bug():
     async def main() -> None:
         link = RedisLink(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2)

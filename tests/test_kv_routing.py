@@ -244,8 +244,8 @@ def test_redis_killed_under_load_and_restarted(tmp_path):
             for t in clients:
                 t.join(300)
         assert statuses and set(statuses) == {200}, statuses
-        # a call that misses its deadline on this loaded box takes the link down for a second, by design, so the
-        # gauge is read once it has settled
+        # any call that misses its deadline on a loaded box takes the link down for a second (by design), so
+        # the gauge is read once it has settled
         wait_until(lambda: metric_sum(gateway_metrics(url), "splitserve_router_degraded") == 0, timeout=30,
                    what="the gateway to leave degraded mode")
     finally:

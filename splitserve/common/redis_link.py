@@ -76,17 +76,16 @@ class RedisLink:
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="redis-link")
 
     async def _try_connect(self) -> bool:
+        if not self.up and self._client is not None:
+            # a reconnect starts a new client: the old one's pool may still hold connections to a server that
+            # went away, and the first call on one of them would take the link straight down again
+            await self._drop_client()
         try:
             if self._client is None:
                 self._client = await asyncio.wait_for(connect(self.url, self.timeout), 3 * self.timeout)
             await asyncio.wait_for(self._client.ping(), 2 * self.timeout)
         except Exception as e:  # noqa: BLE001 - unreachable, refused, timed out, loading: try later
-            if self._client is not None:
-                client, self._client = self._client, None
-                try:
-                    await client.aclose()
-                except Exception:  # noqa: BLE001
-                    pass
+            await self._drop_client()
             if self.up:
                 self.failed(e)
             return False
@@ -101,6 +100,15 @@ class RedisLink:
                     self.failed(e)
                     return False
         return True
+
+    async def _drop_client(self) -> None:
+        if self._client is None:
+            return
+        client, self._client = self._client, None
+        try:
+            await client.aclose()
+        except Exception:  # noqa: BLE001 - closing a client whose server is gone
+            pass
 
     async def _watch(self) -> None:
         while True:
