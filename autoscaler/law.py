@@ -17,9 +17,12 @@ Two loops per role, then the hard bounds:
   raises it, up to `max_utilization`, while every p90 is well inside; a decode pool whose batch KV does not
   bound up to `decode_compute_utilization`, above 1: its flat-out need prices decode tokens in decode-only steps);
 - smooth load, sized tighter: while the prompt load of the last `smooth_window_s` varies little (`_smooth`),
-  decode's batch is sized at the mean prompt it serves instead of the long ones prefill receives, and prefill
-  may scale down after `smooth_prefill_hold_s` (or three cold starts, if longer) instead of the cooldown. On
-  clumped load that slack is what holds the next clump, so it stays.
+  decode's batch is sized at the mean prompt it serves instead of the long ones prefill receives, prefill
+  may scale down after `smooth_prefill_hold_s` (or three cold starts, if longer) instead of the cooldown,
+  neither role keeps burst memory, prefill's stabilisation window forgets its busiest 15-s windows, and
+  prefill's plan counts decode's spare compute (`_decode_spare`, while KV does not bound decode's batch) down
+  to half of it: the router spills the prompts a short prefill pool would queue to decode workers. On clumped
+  load that slack is what holds the next clump, so it stays.
 Scale-up: to the larger of the two targets, at most once per `scale_up_cooldown_s`. Scale-down: only when the
 utilisation would stay under `low_utilization`, no pressure is seen, `scale_down_cooldown_s` has passed since
 the role's last change, and to the largest target recommended over the stabilisation window (the cooldown,
@@ -55,6 +58,9 @@ SMOOTH_MIN_BINS = 8  # bins seen before a load can be called smooth (two minutes
 # prefill's window while smooth is also at least this many cold starts: with 120 s starts, 180 s cost Mooncake
 # 5 points of attainment (0.902 against 0.951 at 300 s)
 SMOOTH_HOLD_COLD_STARTS = 3.0
+# while smooth, decode's spare compute may carry at most this share of prefill's planned need (the prompts the
+# router spills to decode workers); more cost attainment and GPU-seconds (decode scaled up for the spills)
+SPILL_SHARE_MAX = 0.5
 
 __all__ = ["ROLES", "ControllerState", "LawConfig", "RoleDecision", "RoleState", "ScalingDecision", "decide"]
 
@@ -65,6 +71,7 @@ class LawConfig:
 
     profile: ReplicaProfile  # step costs and KV capacity of one replica (capacity at the SLO comes from it)
     bounds: Bounds = field(default_factory=Bounds)
+    spills: bool = True  # the router sends prompts a backed-up prefill pool would queue to decode workers
     ttft_s: float = 2.0  # TTFT objective (p90)
     itl_s: float = 0.1  # ITL objective (p90)
     scale_up_cooldown_s: float = 30.0  # least time between two scale-ups of a role
@@ -107,7 +114,8 @@ class LawConfig:
             scale_up_cooldown_s=a.scale_up_cooldown_seconds, scale_down_cooldown_s=a.scale_down_cooldown_seconds,
             planner_interval_s=a.planner_interval_seconds, model_load_s=a.model_load_seconds,
             warm_replicas=a.warm_replicas, target_utilization=target,
-            high_utilization=min(1.0, target + 0.1), low_utilization=max(0.05, target - 0.2))
+            high_utilization=min(1.0, target + 0.1), low_utilization=max(0.05, target - 0.2),
+            spills=spec.router.spill.prefill_backlog_tokens > 0)
         values.update(overrides)
         return cls(**values)
 
@@ -174,10 +182,12 @@ def decide(obs: Observation, state: ControllerState, config: LawConfig) -> Scali
         (obs.time, obs.prefill.input_tokens_per_s + obs.decode.input_tokens_per_s),)
     smooth = _smooth(load, config)
     n = needs(obs, config.profile, config.ttft_s, config.itl_s, decode_at_every_prompt=smooth)
-    if smooth:
+    if smooth:  # the load's own noise, which the SLO loop sizes for: no burst memory, a shorter prefill window
         hold = max(config.smooth_prefill_hold_s, SMOOTH_HOLD_COLD_STARTS * config.model_load_s)
-        config = replace(config, prefill_scale_down_s=min(_base_hold("prefill", config), hold))
-    plans = {role: _role(role, obs, n, state.role(role), config) for role in ROLES}
+        config = replace(config, prefill_scale_down_s=min(_base_hold("prefill", config), hold), burst_memory_s=0.0)
+    plans = {"decode": _role("decode", obs, n, state.decode, config, smooth)}
+    spare = _decode_spare(obs, plans["decode"], config) if smooth else 0.0
+    plans["prefill"] = _role("prefill", obs, n, state.prefill, config, smooth, spare)
     if not config.bounds.disaggregated:
         plans["prefill"] = _Plan(0, "none (colocated)", state.prefill, 0.0, 0.0, 0.0)
     floors = (math.ceil(plans["prefill"].need - 1e-9), math.ceil(plans["decode"].need - 1e-9))
@@ -214,7 +224,19 @@ def _smooth(load: tuple[tuple[float, float], ...], c: LawConfig) -> bool:
     return mean > 0 and statistics.pstdev(means, mean) / mean < c.smooth_cv
 
 
-def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) -> _Plan:
+def _decode_spare(obs: Observation, decode: _Plan, c: LawConfig) -> float:
+    """Replicas of compute decode's ready replicas have beyond its planned need at its target utilisation, which
+    the prompts the router spills to them can use (they prefill them in their own steps). None when the router
+    does not spill, or when KV bounds decode's batch (its long contexts leave no room for spilled prompts: on
+    Mooncake, counting the spare cost 5 points of attainment)."""
+    d = obs.decode
+    if not c.spills or not c.bounds.disaggregated or _decode_kv_bound(d, c):
+        return 0.0
+    return max(0.0, d.replicas_ready * decode.utilization - decode.planned)
+
+
+def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, smooth: bool = False,
+          spare: float = 0.0) -> _Plan:
     ro = obs.role(role)
     now = obs.time
     rs = _correct(role, ro, n, rs, c)
@@ -232,12 +254,14 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) ->
     rs = replace(rs, history=history)
     # slow loop: re-plan once per planner period, from the forecast a cold start ahead
     recent_need = [v for t, v in history if now - t < c.smoothing_s]
-    smooth = sum(recent_need) / len(recent_need)  # one bursty window is the fast loop's business, not the plan's
+    smooth_need = sum(recent_need) / len(recent_need)  # one bursty window is the fast loop's, not the plan's
     if rs.planned is None or now - rs.planned_at >= c.planner_interval_s:
         ahead = forecast(history, now, c.model_load_s + c.planner_interval_s, c.trend_window_s / 2,
                          c.max_forecast_growth)
-        rs = replace(rs, planned=max(smooth, ahead), planned_at=now)
-    planned = max(rs.planned or 0.0, smooth)  # a rise since the last plan counts at once
+        rs = replace(rs, planned=max(smooth_need, ahead), planned_at=now)
+    planned = max(rs.planned or 0.0, smooth_need)  # a rise since the last plan counts at once
+    if spare > 0:  # prefill: decode's spare compute takes the prompts spilled to it, up to a share of the plan
+        planned = max(planned * (1 - SPILL_SHARE_MAX), planned - spare)
     current = ro.replicas
     base = current - c.warm_replicas  # replicas that carry the need; the warm ones wait for bursts
     target = _at(planned, u) + c.warm_replicas
@@ -255,7 +279,7 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig) ->
         rs = _learn_floor(rs, burst, target, now, c)
         target = max(target, math.ceil(_floor(rs, now, c) - 1e-9))
     rs = _hold(role, rs, burst, now, c)
-    recent = tuple((t, v) for t, v in rs.recent if now - t < rs.hold_s) + ((now, _held(role, target, need, c)),)
+    recent = tuple((t, v) for t, v in rs.recent if now - t < rs.hold_s) + ((now, _held(role, target, need, c, smooth)),)
     rs = replace(rs, recent=recent)
 
     def plan(replicas: int, reason: str) -> _Plan:
@@ -298,7 +322,7 @@ def _base_hold(role: str, c: LawConfig) -> float:
     return c.scale_down_cooldown_s
 
 
-def _held(role: str, target: int, need: float, c: LawConfig) -> int:
+def _held(role: str, target: int, need: float, c: LawConfig, smooth: bool) -> int:
     """What this window asks the stabilisation window to keep: its target and, for prefill, what the window's
     own load needed at full utilisation. The plan smooths the need over a minute, which hides a clump the ready
     replicas absorbed without queueing long enough to be called a burst; scaling down below it leaves the next
@@ -306,8 +330,9 @@ def _held(role: str, target: int, need: float, c: LawConfig) -> int:
     took 10 replicas to 6 on a mean need of 3.9, and the clumps of the next ten minutes missed: with the busiest
     window kept it is 0.873 at 1.11x the oracle, against 0.859 at 1.29x; the other three traces did not move.
     Decode's window need, output tokens of the window's arrivals, is noise for a seat-bound pool: kept too, it
-    cost Azure conversation 4% for nothing.)"""
-    if role == "prefill":
+    cost Azure conversation 4% for nothing.) Not while the load is smooth: its busiest window is noise too, and
+    spilled prompts absorb it."""
+    if role == "prefill" and not smooth:
         return max(target, _at(need, c.max_utilization) + c.warm_replicas)
     return target
 
@@ -419,11 +444,16 @@ def _ceiling(role: str, ro: RoleObservation, c: LawConfig) -> float:
     With KV bounding the batch, occupancy is the need and a fuller pool has no room for the next long prompt
     (a 1.1 ceiling for every decode pool cost Mooncake, 10,000–16,000-token contexts, 3 points; gated, Azure
     conversation 1.24x -> 1.19x the oracle with Mooncake unchanged)."""
-    if role != "decode" or c.decode_compute_utilization is None or ro.mean_input_tokens <= 0:
-        return c.max_utilization
-    if kv_sequences(c.profile, ro.mean_input_tokens, ro.mean_output_tokens) < c.profile.max_num_seqs:
+    if role != "decode" or c.decode_compute_utilization is None or _decode_kv_bound(ro, c):
         return c.max_utilization
     return max(c.max_utilization, c.decode_compute_utilization)
+
+
+def _decode_kv_bound(ro: RoleObservation, c: LawConfig) -> bool:
+    """KV bounds decode's batch: max_num_seqs sequences of the mean context do not fit KV_HEADROOM of the cache
+    (or no context was seen yet)."""
+    return (ro.mean_input_tokens <= 0
+            or kv_sequences(c.profile, ro.mean_input_tokens, ro.mean_output_tokens) < c.profile.max_num_seqs)
 
 
 def _latency(role: str, ro: RoleObservation, c: LawConfig) -> tuple[Percentiles, float, str]:

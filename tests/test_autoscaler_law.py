@@ -30,10 +30,12 @@ DECODE_TOK_S = 10 / 0.002  # batch of 10 (max_num_seqs): 2 ms a step
 
 
 def config(**kw) -> LawConfig:
-    """The law with round numbers; the target utilisation stays at 0.8 unless a test lets slack raise it."""
+    """The law with round numbers; the target utilisation stays at 0.8 unless a test lets slack raise it, and
+    the router spills nothing to decode unless a test says so (prefill's sizing is then its own arithmetic)."""
     base = dict(profile=PROFILE, bounds=Bounds(prefill_min=1, prefill_max=50, decode_min=1, decode_max=50),
                 ttft_s=2.0, itl_s=0.1, scale_up_cooldown_s=30.0, scale_down_cooldown_s=120.0,
-                planner_interval_s=60.0, model_load_s=60.0, max_utilization=0.8, decode_compute_utilization=None)
+                planner_interval_s=60.0, model_load_s=60.0, max_utilization=0.8, decode_compute_utilization=None,
+                spills=False)
     base.update(kw)
     return LawConfig(**base)
 
@@ -245,6 +247,34 @@ def test_a_smooth_load_lets_prefill_scale_down_sooner_than_a_bursty_one():
     slow = config(scale_down_cooldown_s=300.0, smooth_prefill_hold_s=180.0, model_load_s=90.0)
     downs = [d for d in run(smooth, slow) if d.prefill.action == "down"]
     assert downs and 270 <= downs[0].time < 300, [d.time for d in downs]
+
+
+def test_a_smooth_load_counts_decodes_spare_compute_as_prefill_capacity():
+    """While the load is smooth and the router spills, the prompts a short prefill pool would queue go to decode
+    workers, so prefill's plan counts decode's spare compute (its ready replicas at its target, less its own
+    planned need), down to half of the plan. Not on clumped load, not when the router does not spill, and not
+    when KV bounds decode's batch (no room for spilled prompts beside its long contexts)."""
+    def last(stream: list[Observation], **kw) -> ScalingDecision:
+        return run(stream, config(**kw), follow=False)[-1]
+
+    def smooth(d: int) -> list[Observation]:
+        return steady(0, 40, p=6, d=d, prefill_tok_s=4.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S)
+
+    alone = last(smooth(4))
+    assert alone.prefill.planned == pytest.approx(4.0)
+    shared = last(smooth(3), spills=True)
+    spare = 3 * shared.decode.utilization - shared.decode.planned
+    assert 1.0 < spare < 2.0  # decode: 3 replicas at 0.8 for one replica's load
+    assert shared.prefill.planned == pytest.approx(alone.prefill.planned - spare)
+    # a decode pool with room for a whole prefill pool's prompts carries at most half of prefill's plan
+    assert last(smooth(12), spills=True).prefill.planned == pytest.approx(alone.prefill.planned / 2)
+    clumps = [obs(15 * i, p=6, d=4, prefill_tok_s=(8.0 if i % 2 else 0.0) * PREFILL_TOK_S,
+                  out_tok_s=1.0 * DECODE_TOK_S) for i in range(40)]
+    assert last(clumps, spills=True).prefill.planned == last(clumps).prefill.planned
+    kv_bound = replace(PROFILE, kv_capacity_tokens=5_000)  # not 10 sequences of 1,100 tokens
+    assert kv_bound.max_num_seqs == 10
+    assert (last(smooth(4), spills=True, profile=kv_bound).prefill.planned
+            == last(smooth(4), profile=kv_bound).prefill.planned)
 
 
 def test_a_smooth_load_sizes_decode_at_every_prompt_it_serves():

@@ -124,6 +124,21 @@ def test_prefill_scale_down_keeps_what_its_busiest_recent_window_needed():
     assert decisions[-1].prefill.desired == 2  # ceil(1 / 0.8)
 
 
+def test_a_queue_on_smooth_load_is_answered_but_not_remembered():
+    """On a smooth load a queue is the load's own noise: the fast loop still answers it, but it leaves no burst
+    memory (the SLO loop sizes for such queues). The same queue after clumped load is remembered."""
+    def queue_at(t: float) -> Observation:
+        return obs(t, p=4, prefill_tok_s=3.0 * PREFILL_TOK_S, queue_tokens=300_000, queued=300, ttft_p90=4.0, **KW)
+
+    smooth = steady(0, 40, p=4, prefill_tok_s=3.0 * PREFILL_TOK_S, **KW)
+    clumps = [obs(15 * i, p=4, prefill_tok_s=(6.0 if i % 2 else 0.0) * PREFILL_TOK_S, **KW) for i in range(40)]
+    cfg = config(scale_down_cooldown_s=120.0, burst_memory_s=600.0)
+    for name, stream, remembered in (("smooth", smooth, False), ("clumps", clumps, True)):
+        answer = run(stream + [queue_at(600)], cfg, follow=False)[-1]
+        assert answer.prefill.action == "up", (name, answer.prefill)
+        assert (answer.state.prefill.peak_need > 0) == remembered, name
+
+
 def test_decode_learns_a_floor_from_a_burst_after_a_scale_down():
     """Decode scales down from 4 to 2 in a quiet spell; a burst of requests waiting for KV then shows that scale-down
     cut into standing capacity: decode keeps min(4, the burst's target: the 2 ready + 1) = 3 as a floor, halving
