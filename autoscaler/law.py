@@ -18,11 +18,11 @@ Two loops per role, then the hard bounds:
   bound up to `decode_compute_utilization`, above 1: its flat-out need prices decode tokens in decode-only steps);
 - smooth load, sized tighter: while the prompt load of the last `smooth_window_s` varies little (`_smooth`),
   decode's batch is sized at the mean prompt it serves instead of the long ones prefill receives, prefill
-  may scale down after `smooth_prefill_hold_s` (or three cold starts, if longer) instead of the cooldown,
-  neither role keeps burst memory, prefill's stabilisation window forgets its busiest 15-s windows, and
-  prefill's plan counts decode's spare compute (`_decode_spare`, while KV does not bound decode's batch) down
-  to half of it: the router spills the prompts a short prefill pool would queue to decode workers. On clumped
-  load that slack is what holds the next clump, so it stays.
+  may scale down after `smooth_prefill_hold_s` (or three cold starts, if longer) instead of the cooldown;
+  and where decode takes the prompts the router spills from a backed-up prefill queue (`_decode_takes_spills`:
+  the router spills and KV does not bound decode's batch), neither role keeps burst memory, prefill's
+  stabilisation window forgets its busiest 15-s windows, and prefill's plan counts decode's spare compute
+  (`_decode_spare`), down to half of it. On clumped load that slack is what holds the next clump, so it stays.
 Scale-up: to the larger of the two targets, at most once per `scale_up_cooldown_s`. Scale-down: only when the
 utilisation would stay under `low_utilization`, no pressure is seen, `scale_down_cooldown_s` has passed since
 the role's last change, and to the largest target recommended over the stabilisation window (the cooldown,
@@ -182,12 +182,17 @@ def decide(obs: Observation, state: ControllerState, config: LawConfig) -> Scali
         (obs.time, obs.prefill.input_tokens_per_s + obs.decode.input_tokens_per_s),)
     smooth = _smooth(load, config)
     n = needs(obs, config.profile, config.ttft_s, config.itl_s, decode_at_every_prompt=smooth)
-    if smooth:  # the load's own noise, which the SLO loop sizes for: no burst memory, a shorter prefill window
+    if smooth:
         hold = max(config.smooth_prefill_hold_s, SMOOTH_HOLD_COLD_STARTS * config.model_load_s)
-        config = replace(config, prefill_scale_down_s=min(_base_hold("prefill", config), hold), burst_memory_s=0.0)
-    plans = {"decode": _role("decode", obs, n, state.decode, config, smooth)}
-    spare = _decode_spare(obs, plans["decode"], config) if smooth else 0.0
-    plans["prefill"] = _role("prefill", obs, n, state.prefill, config, smooth, spare)
+        config = replace(config, prefill_scale_down_s=min(_base_hold("prefill", config), hold))
+    # on a smooth load whose spills decode can take, a queue or a busy window is noise that the spills and the
+    # SLO loop absorb: no burst memory, no busiest-window hold, and decode's spare compute counts for prefill
+    shared = smooth and _decode_takes_spills(obs.decode, config)
+    if shared:
+        config = replace(config, burst_memory_s=0.0)
+    plans = {"decode": _role("decode", obs, n, state.decode, config, shared)}
+    spare = _decode_spare(obs, plans["decode"]) if shared else 0.0
+    plans["prefill"] = _role("prefill", obs, n, state.prefill, config, shared, spare)
     if not config.bounds.disaggregated:
         plans["prefill"] = _Plan(0, "none (colocated)", state.prefill, 0.0, 0.0, 0.0)
     floors = (math.ceil(plans["prefill"].need - 1e-9), math.ceil(plans["decode"].need - 1e-9))
@@ -224,18 +229,20 @@ def _smooth(load: tuple[tuple[float, float], ...], c: LawConfig) -> bool:
     return mean > 0 and statistics.pstdev(means, mean) / mean < c.smooth_cv
 
 
-def _decode_spare(obs: Observation, decode: _Plan, c: LawConfig) -> float:
+def _decode_takes_spills(d: RoleObservation, c: LawConfig) -> bool:
+    """The router spills prompts a backed-up prefill pool would queue to decode workers, and decode has room for
+    them: KV does not bound its batch (beside long contexts a spilled prompt has none: on Mooncake, counting
+    decode's spare compute for prefill cost 5 points of attainment)."""
+    return c.spills and c.bounds.disaggregated and not _decode_kv_bound(d, c)
+
+
+def _decode_spare(obs: Observation, decode: _Plan) -> float:
     """Replicas of compute decode's ready replicas have beyond its planned need at its target utilisation, which
-    the prompts the router spills to them can use (they prefill them in their own steps). None when the router
-    does not spill, or when KV bounds decode's batch (its long contexts leave no room for spilled prompts: on
-    Mooncake, counting the spare cost 5 points of attainment)."""
-    d = obs.decode
-    if not c.spills or not c.bounds.disaggregated or _decode_kv_bound(d, c):
-        return 0.0
-    return max(0.0, d.replicas_ready * decode.utilization - decode.planned)
+    the prompts the router spills to them use (decode workers prefill them in their own steps)."""
+    return max(0.0, obs.decode.replicas_ready * decode.utilization - decode.planned)
 
 
-def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, smooth: bool = False,
+def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, shared: bool = False,
           spare: float = 0.0) -> _Plan:
     ro = obs.role(role)
     now = obs.time
@@ -279,7 +286,7 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sm
         rs = _learn_floor(rs, burst, target, now, c)
         target = max(target, math.ceil(_floor(rs, now, c) - 1e-9))
     rs = _hold(role, rs, burst, now, c)
-    recent = tuple((t, v) for t, v in rs.recent if now - t < rs.hold_s) + ((now, _held(role, target, need, c, smooth)),)
+    recent = tuple((t, v) for t, v in rs.recent if now - t < rs.hold_s) + ((now, _held(role, target, need, c, shared)),)
     rs = replace(rs, recent=recent)
 
     def plan(replicas: int, reason: str) -> _Plan:
@@ -322,7 +329,7 @@ def _base_hold(role: str, c: LawConfig) -> float:
     return c.scale_down_cooldown_s
 
 
-def _held(role: str, target: int, need: float, c: LawConfig, smooth: bool) -> int:
+def _held(role: str, target: int, need: float, c: LawConfig, shared: bool) -> int:
     """What this window asks the stabilisation window to keep: its target and, for prefill, what the window's
     own load needed at full utilisation. The plan smooths the need over a minute, which hides a clump the ready
     replicas absorbed without queueing long enough to be called a burst; scaling down below it leaves the next
@@ -330,9 +337,9 @@ def _held(role: str, target: int, need: float, c: LawConfig, smooth: bool) -> in
     took 10 replicas to 6 on a mean need of 3.9, and the clumps of the next ten minutes missed: with the busiest
     window kept it is 0.873 at 1.11x the oracle, against 0.859 at 1.29x; the other three traces did not move.
     Decode's window need, output tokens of the window's arrivals, is noise for a seat-bound pool: kept too, it
-    cost Azure conversation 4% for nothing.) Not while the load is smooth: its busiest window is noise too, and
-    spilled prompts absorb it."""
-    if role == "prefill" and not smooth:
+    cost Azure conversation 4% for nothing.) Not while the load is smooth and decode takes spills (`shared`):
+    the busiest window is then noise, which the prompts spilled to decode absorb."""
+    if role == "prefill" and not shared:
         return max(target, _at(need, c.max_utilization) + c.warm_replicas)
     return target
 

@@ -125,15 +125,18 @@ def test_prefill_scale_down_keeps_what_its_busiest_recent_window_needed():
 
 
 def test_a_queue_on_smooth_load_is_answered_but_not_remembered():
-    """On a smooth load a queue is the load's own noise: the fast loop still answers it, but it leaves no burst
-    memory (the SLO loop sizes for such queues). The same queue after clumped load is remembered."""
+    """On a smooth load whose spills decode takes, a queue is the load's own noise: the fast loop still answers
+    it, but it leaves no burst memory (the spills and the SLO loop absorb such queues). The same queue after
+    clumped load, or where the router does not spill, is remembered."""
     def queue_at(t: float) -> Observation:
         return obs(t, p=4, prefill_tok_s=3.0 * PREFILL_TOK_S, queue_tokens=300_000, queued=300, ttft_p90=4.0, **KW)
 
     smooth = steady(0, 40, p=4, prefill_tok_s=3.0 * PREFILL_TOK_S, **KW)
     clumps = [obs(15 * i, p=4, prefill_tok_s=(6.0 if i % 2 else 0.0) * PREFILL_TOK_S, **KW) for i in range(40)]
-    cfg = config(scale_down_cooldown_s=120.0, burst_memory_s=600.0)
-    for name, stream, remembered in (("smooth", smooth, False), ("clumps", clumps, True)):
+    spills = config(scale_down_cooldown_s=120.0, burst_memory_s=600.0, spills=True)
+    none = replace(spills, spills=False)
+    for name, stream, cfg, remembered in (("smooth", smooth, spills, False), ("clumps", clumps, spills, True),
+                                          ("smooth, no spills", smooth, none, True)):
         answer = run(stream + [queue_at(600)], cfg, follow=False)[-1]
         assert answer.prefill.action == "up", (name, answer.prefill)
         assert (answer.state.prefill.peak_need > 0) == remembered, name
