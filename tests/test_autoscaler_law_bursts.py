@@ -142,6 +142,17 @@ def test_a_queue_on_smooth_load_is_answered_but_not_remembered():
         assert (answer.state.prefill.peak_need > 0) == remembered, name
 
 
+def test_a_busy_window_on_smooth_load_is_not_held_where_decode_takes_spills():
+    """The busiest-window hold keeps what a busy window needed at full utilisation (3 replicas' load over 0.8
+    -> 4) for the stabilisation window. On a smooth load whose spills decode takes, that window is noise the
+    spills absorb: only the target is kept."""
+    stream = steady(0, 40, p=10, prefill_tok_s=1.0 * PREFILL_TOK_S, **KW) + [
+        obs(600, p=10, prefill_tok_s=3.0 * PREFILL_TOK_S, **KW)]
+    held = {spills: run(stream, config(spills=spills), follow=False)[-1].state.prefill.recent[-1][1]
+            for spills in (False, True)}
+    assert held[False] == 4 and held[True] <= 2, held
+
+
 def test_decode_learns_a_floor_from_a_burst_after_a_scale_down():
     """Decode scales down from 4 to 2 in a quiet spell; a burst of requests waiting for KV then shows that scale-down
     cut into standing capacity: decode keeps min(4, the burst's target: the 2 ready + 1) = 3 as a floor, halving
