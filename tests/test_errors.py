@@ -71,8 +71,7 @@ def test_a_restarted_redis_is_reached_once_and_the_link_stays_up():
     back on a new client: no call lands on a connection to the server that died, so the link stays up."""
     async def main() -> None:
         server = RedisServer()
-        link = RedisLink(server.url, timeout=0.5, retry_s=0.1)
-        await link.start()
+        link = await _link(server.url)
         ups = 0
 
         async def counted() -> None:

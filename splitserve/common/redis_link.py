@@ -76,7 +76,7 @@ class RedisLink:
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="redis-link")
 
     async def _try_connect(self) -> bool:
-        if not self.up and self._client is not None:
+        if not self.up:
             # a reconnect starts a new client: the old one's pool may still hold connections to a server that
             # went away, and the first call on one of them would take the link straight down again
             await self._drop_client()
@@ -134,10 +134,6 @@ class RedisLink:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        if self._client is not None:
-            try:
-                await self._client.aclose()
-            except Exception:  # noqa: BLE001
-                pass
+        await self._drop_client()
         self.up = False
         REDIS_UP.set(0)
