@@ -357,6 +357,29 @@ def test_slack_under_the_objectives_lets_a_role_run_fuller():
     assert all(d.decode.desired == 6 for d in slack)  # the raised target keeps 91% inside the band
 
 
+def test_where_decode_takes_spills_on_a_smooth_load_a_tail_inside_the_objective_is_slack():
+    """The SLO loop raises a role's target on windows whose p99 is under half the objective. Where decode takes
+    the router's spills on a smooth load, the tail is the spills' noise (a step carrying a spilled prompt's
+    chunk), so a p90 under half and a p99 within the objective is slack there; not without spills, not on
+    clumped load, not for a decode pool of two, and not for a p99 over the objective."""
+    def tail(o: Observation, p99: float) -> Observation:
+        lat = Percentiles(0.01, 0.02, p99, 1000)
+        ttft = Percentiles(0.2, 0.4, 20 * p99, 100)  # TTFT's tail against its 2 s objective, the same ratio
+        return replace(o, prefill=replace(o.prefill, ttft=ttft), decode=replace(o.decode, itl=lat, ttft=ttft))
+
+    def final(p99: float = 0.07, d: int = 6, clumped: bool = False, **kw) -> ScalingDecision:
+        stream = [tail(obs(15 * i, p=5, d=d, prefill_tok_s=(6.0 if i % 2 else 0.0 if clumped else 3.0)
+                           * PREFILL_TOK_S, out_tok_s=2.0 * DECODE_TOK_S), p99) for i in range(40)]
+        return run(stream, config(max_utilization=0.95, **kw), follow=False)[-1]
+
+    shared = final(spills=True)
+    assert shared.decode.utilization == pytest.approx(0.95) and shared.prefill.utilization > 0.9
+    for held in (final(), final(clumped=True, spills=True), final(p99=0.12, spills=True)):
+        assert held.decode.utilization == pytest.approx(0.8) and held.prefill.utilization <= 0.8
+    assert final(d=2, spills=True).decode.utilization == pytest.approx(0.8)  # one replica is half the pool
+    assert final(d=2, spills=True).prefill.utilization > 0.9  # prefill's tail is the spills' all the same
+
+
 def test_a_decode_pool_kv_does_not_bound_may_run_above_its_flat_out_need():
     # 6.2 replicas of decode work (priced in decode-only steps) on 8: slack raises decode's target up to 1.1
     # while 10 sequences of the mean context fit the cache, and 6.2 < 0.825 x 8 lets it give one back
