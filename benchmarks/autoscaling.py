@@ -227,7 +227,8 @@ def benchmark(names: list[str], duration: float | None, gpus: int, jobs: int, pl
 
 
 ROBUSTNESS = {  # variant: (seed, the simulated steps x this against the law's profile, cold start s)
-    "base": (0, 1.0, None), "seed 1": (1, 1.0, None), "steps -20%": (0, 0.8, None), "steps +20%": (0, 1.2, None),
+    "base": (0, 1.0, None), "seed 1": (1, 1.0, None), "seed 2": (2, 1.0, None), "seed 3": (3, 1.0, None),
+    "seed 4": (4, 1.0, None), "seed 5": (5, 1.0, None), "steps -20%": (0, 0.8, None), "steps +20%": (0, 1.2, None),
     "cold start 30 s": (0, 1.0, 30.0), "cold start 120 s": (0, 1.0, 120.0)}
 
 
@@ -290,7 +291,7 @@ def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, p
             out["traces"][name] = {"trace": case.file, "rate_scale": case.rate_scale, "oracle_gpu_seconds": oracle_s,
                                    "runs": rows}
     lines = ["# Robustness of the simulator's verdict", "",
-             "`benchmarks/autoscaling.py --robustness`: each law under another seed, a profile 20% off (the "
+             "`benchmarks/autoscaling.py --robustness`: each law under five other seeds, a profile 20% off (the "
              "simulated steps x0.8 / x1.2, the law keeps the committed profile) and cold starts of 30 s and 120 s "
              "(simulated and configured). GPU-s against the base run's oracle and against the law's own base run.",
              ""]
