@@ -128,6 +128,14 @@ def task_window(case: TraceCase, duration: float | None, gpus: int, k: int) -> d
             "feasible_met": sum(r.meets(settings.ttft_s, settings.itl_s) for r in feasible)}
 
 
+def with_floors(exp, law: str) -> str:
+    """law+minPxD: an operator's minReplicas of P prefill and D decode, set on the experiment's spec; the law."""
+    law, _, floors = law.partition("+min")
+    if floors:
+        exp.spec.prefill.min_replicas, exp.spec.decode.min_replicas = (int(x) for x in floors.split("x"))
+    return law
+
+
 def task_policy(case: TraceCase, duration: float | None, gpus: int, policy: str, initial: tuple[int, int],
                 windows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     from splitserve.autoscaler.sim.oracle import best_static
@@ -145,9 +153,7 @@ def task_policy(case: TraceCase, duration: float | None, gpus: int, policy: str,
         law, _, start = policy.partition("@")  # law@PxD: start from P prefill + D decode replicas
         if start:
             initial = tuple(int(x) for x in start.split("x"))  # type: ignore[assignment]
-        law, _, floors = law.partition("+min")  # law+minPxD: an operator's minReplicas of P prefill and D decode
-        if floors:
-            exp.spec.prefill.min_replicas, exp.spec.decode.min_replicas = (int(x) for x in floors.split("x"))
+        law = with_floors(exp, law)
         if law == "slo_warm2":
             exp.spec.autoscaling.warm_replicas = 2
         if law.startswith("late_oracle"):
@@ -250,7 +256,7 @@ def task_robust(case: TraceCase, duration: float | None, gpus: int, policy: str,
                                                c.per_ctx_token_s * k, c.per_attn_pair_s * k))
     settings = replace(settings_of(exp), profile=truth)
     t0 = time.perf_counter()
-    res = simulate(exp.requests, settings, exp.law(policy), initial)
+    res = simulate(exp.requests, settings, exp.law(with_floors(exp, policy)), initial)
     return summary(res) | {"policy": policy, "variant": variant, "wall_s": round(time.perf_counter() - t0, 1)}
 
 

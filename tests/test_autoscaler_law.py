@@ -380,6 +380,26 @@ def test_where_decode_takes_spills_on_a_smooth_load_a_tail_inside_the_objective_
     assert final(d=2, spills=True).prefill.utilization > 0.9  # prefill's tail is the spills' all the same
 
 
+def test_a_decode_pool_kv_bounds_plans_for_its_recent_peak_and_a_fifth_more():
+    """Where KV bounds decode's batch, surges of long contexts fill the cache faster than a cold start, so
+    decode plans for the largest need of the trend window (5 minutes) and a fifth more; a pool compute bounds
+    plans from its smoothed need, and the peak leaves the plan once it is older than the window."""
+    kv_bound = replace(PROFILE, kv_capacity_tokens=5_000)  # not 10 sequences of 1,100 tokens
+
+    def decisions(profile: ReplicaProfile) -> list[ScalingDecision]:
+        stream = [obs(15 * i, p=4, d=8, prefill_tok_s=2.0 * PREFILL_TOK_S,
+                      out_tok_s=(6.0 if i == 20 else 1.0) * DECODE_TOK_S) for i in range(60)]
+        return run(stream, config(profile=profile), follow=False)
+
+    bound, free = decisions(kv_bound), decisions(PROFILE)
+    peak = bound[20].decode.need
+    assert peak > 4 * bound[19].decode.need
+    for d in bound[21:39]:  # the peak is in the window: planned at 1.2x it
+        assert d.decode.planned == pytest.approx(1.2 * peak), d.time
+    assert bound[-1].decode.planned < 0.5 * peak  # 10 minutes on: back to the load's own need
+    assert max(d.decode.planned for d in free[24:39]) < 0.6 * 1.2 * free[20].decode.need
+
+
 def test_a_decode_pool_kv_does_not_bound_may_run_above_its_flat_out_need():
     # 6.2 replicas of decode work (priced in decode-only steps) on 8: slack raises decode's target up to 1.1
     # while 10 sequences of the mean context fit the cache, and 6.2 < 0.825 x 8 lets it give one back
