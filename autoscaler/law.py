@@ -22,7 +22,10 @@ Two loops per role, then the hard bounds:
   and where decode takes the prompts the router spills from a backed-up prefill queue (`_decode_takes_spills`:
   the router spills and KV does not bound decode's batch), neither role keeps burst memory, prefill's
   stabilisation window forgets its busiest 15-s windows, and prefill's plan counts decode's spare compute
-  (`_decode_spare`), down to half of it. On clumped load that slack is what holds the next clump, so it stays.
+  (`_decode_spare`), down to half of it, and the SLO loop reads their latency tail as the spills' noise (`_slack`).
+  On clumped load that slack is what holds the next clump, so it stays;
+- a decode pool KV bounds plans for the largest need of the trend window and `KV_PEAK_MARGIN` more: its load is a
+  stock of long contexts whose surges fill the cache faster than a cold start.
 Scale-up: to the larger of the two targets, at most once per `scale_up_cooldown_s`. Scale-down: only when the
 utilisation would stay under `low_utilization`, no pressure is seen, `scale_down_cooldown_s` has passed since
 the role's last change, and to the largest target recommended over the stabilisation window (the cooldown,
