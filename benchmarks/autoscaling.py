@@ -13,8 +13,8 @@ a generated bursty, prefill-heavy one (autoscaler/sim/bursty.py, seed 0), in the
   (default)     for each trace at its scale: the oracle (cheapest static P:D per 5-minute window), the best static
                 P:D, the SLO law, Ray Serve LLM's, llm-d WVA's and Dynamo's load-mode law: SLO attainment,
                 GPU-seconds against the oracle's, a table and a last JSON line; results/autoscaling_<trace>.json
-  --robustness  each --only law (default slo) under another seed, a profile 20% off either way and cold starts of
-                30 s and 120 s -> results/autoscaling_robustness.{md,json} (JSON lines, the summary last)
+  --robustness  each --only law (default slo) under five other seeds, a profile 20% off either way and cold
+                starts of 30 s and 120 s -> results/autoscaling_robustness.{md,json} (JSON lines, the summary last)
   --bound       the bursty trace against references that follow per-30-s plans with a standing margin: one knows
                 the future, one knows all but each burst's first cold start (60, 30, 15 s), a bound on any law
                 that reads only the past -> results/autoscaling_bound.json
@@ -833,7 +833,7 @@ def main() -> None:
     ap.add_argument("--ratchet", action="store_true", help="each --traces trace's clumps, its start pair held, "
                     "and ratchets that raise it after every window short of 95%% -> results/autoscaling_ratchet.json")
     ap.add_argument("--robustness", action="store_true",
-                    help="each --only law (default slo) under another seed, +-20%% profile error and 30/120 s cold "
+                    help="each --only law (default slo) under five other seeds, +-20%% profile error and 30/120 s cold "
                     "starts -> results/autoscaling_robustness.{md,json} (needs the traces' results files)")
     ap.add_argument("--reuse-baselines", action="store_true",
                     help="keep the oracle and best static of results/autoscaling_<trace>.json when its setup matches")
