@@ -470,7 +470,7 @@ def _spill_tail(role: str, ro: RoleObservation) -> bool:
     noise, which its replicas do not shorten: a decode step that carries a spilled prompt's chunk is a long
     inter-token gap for every sequence in it, and a spilled prompt's wait is counted where it spilled from. On the
     Azure conversation trace decode's ITL p99 stayed at 0.05-0.06 s with 11 replicas as with 8, and held decode's
-    target at 0.82 through its first minutes, where the oracle ran 7 replicas. Not for a decode pool of fewer
+    target under 0.9 through its first minutes, where the oracle ran 7 replicas. Not for a decode pool of fewer
     than SPILL_TAIL_MIN_DECODE replicas: there one replica is a third of the pool or more, and its p99 is its own
     saturation (on the generated bursty trace's calm first minutes, a fuller 2-replica pool met the first burst
     with 1, and the hour cost 0.11x the oracle's GPU-seconds more; 0.07-0.12x on five seeds of six)."""
