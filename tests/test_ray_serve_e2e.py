@@ -101,7 +101,8 @@ def test_serve_ray_end_to_end() -> None:
             h = health(url)
             replaced = any(w["role"] == "prefill" and w["name"] not in before and w["healthy"] for w in h["workers"])
             time.sleep(1.0)
-        assert replaced, health(url)
+        assert replaced, (f"no healthy new prefill worker 90 s after the kill: {json.dumps(health(url)['workers'])}"
+                          f"\n{serve_ray.tail()}")
         seen |= descendants(proc.pid)
     finally:
         seen |= descendants(proc.pid)
