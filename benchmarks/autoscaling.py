@@ -15,9 +15,10 @@ a generated bursty, prefill-heavy one (autoscaler/sim/bursty.py, seed 0), in the
                 GPU-seconds against the oracle's, a table and a last JSON line; results/autoscaling_<trace>.json
   --robustness  each --only law (default slo) under five other seeds, a profile 20% off either way and cold
                 starts of 30 s and 120 s -> results/autoscaling_robustness.{md,json} (JSON lines, the summary last)
-  --bound       the bursty trace against references that follow per-30-s plans with a standing margin: one knows
-                the future, one knows all but each burst's first cold start (60, 30, 15 s), a bound on any law
-                that reads only the past -> results/autoscaling_bound.json
+  --bound       the bursty trace (or each --traces trace, its clumps standing for bursts) against references that
+                follow per-30-s plans with a standing margin: one knows the future, one knows all but each
+                burst's first cold start (60, 30, 15 s), a bound on any law that reads only the past
+                -> results/autoscaling_bound.json (bursty), results/autoscaling_bound_<trace>.json
   --ratchet     each --traces trace's clumps, its start pair held throughout, and ratchets that add replicas after
                 every window (2, 5, 10 min) under 95% attainment and never remove any: what learning a standing
                 capacity from the past costs -> results/autoscaling_ratchet.json
@@ -324,25 +325,45 @@ def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, p
 BOUND_WINDOW_S = 30.0  # s, the references' plan windows
 BOUND_MARGINS = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (2, 2), (2, 3), (4, 2), (4, 3), (4, 4), (6, 3), (6, 4),
                  (8, 4), (10, 5))  # standing (prefill, decode) replicas above the plans
+# a real trace's clumps carry more than the generated bursts' first minute: its frontier runs further
+BOUND_MARGINS_CLUMPS = BOUND_MARGINS + ((6, 6), (8, 6), (10, 6), (12, 6), (14, 7), (16, 8))
 BOUND_SHORTER_STARTS = (30.0, 15.0)  # s, cold starts the onset-blind reference is also run with
+BOUND_CLUMP_BIN_S = 5.0  # s: on a real trace, a clump of bins this long (`trace.clumps`) stands for a burst
+
+
+def bound_path(name: str) -> Path:
+    return RESULTS / ("autoscaling_bound.json" if name == "bursty" else f"autoscaling_bound_{name}.json")
 
 
 @functools.lru_cache(maxsize=1)
-def bursty_onsets(case: TraceCase, duration: float | None, gpus: int):
-    """The bursty experiment (its requests only read) and, per request, the start of the burst it belongs to
-    (None: the base stream)."""
+def burst_onsets(case: TraceCase, duration: float | None, gpus: int):
+    """The experiment (its requests only read) and, per request, the start of the burst it belongs to (None: the
+    base stream): the generated trace's own bursts, or a real trace's clumps (runs of BOUND_CLUMP_BIN_S bins
+    with over twice the mean bin's prompt tokens, `trace.clumps`)."""
+    import bisect
+
     from splitserve.autoscaler.sim import bursty, trace
 
     exp = experiment(case, duration, gpus)
-    rows, found, tags = bursty.generate_tagged(bursty.BurstyConfig(max_prompt=case.max_input), seed=0)
-    sources = trace.scale_sources(rows, rate_scale=case.rate_scale, duration_s=duration, seed=0)
-    return exp, [None if tags[sources[r.rid]] < 0 else found[tags[sources[r.rid]]].start for r in exp.requests]
+    if case.file == "generated:bursty":
+        rows, found, tags = bursty.generate_tagged(bursty.BurstyConfig(max_prompt=case.max_input), seed=0)
+        sources = trace.scale_sources(rows, rate_scale=case.rate_scale, duration_s=duration, seed=0)
+        return exp, [None if tags[sources[r.rid]] < 0 else found[tags[sources[r.rid]]].start
+                     for r in exp.requests]
+    cs = trace.clumps(exp.requests, BOUND_CLUMP_BIN_S)
+    starts = [c.start for c in cs]
+
+    def onset(arrival: float) -> float | None:
+        k = bisect.bisect_right(starts, arrival) - 1
+        return cs[k].start if k >= 0 and arrival < cs[k].start + cs[k].length_s else None
+
+    return exp, [onset(r.arrival) for r in exp.requests]
 
 
-def bursty_known(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None) -> list:
+def burst_known(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None) -> list:
     """Window k's requests that a reference planning it knows of: all of them (`lead_s` None), or those of the
     base stream and of the bursts that began at least `lead_s` before the window ends."""
-    exp, onsets = bursty_onsets(case, duration, gpus)
+    exp, onsets = burst_onsets(case, duration, gpus)
     start, end = k * BOUND_WINDOW_S, (k + 1) * BOUND_WINDOW_S
     return [r for r, onset in zip(exp.requests, onsets, strict=True) if start <= r.arrival < end
             and (lead_s is None or onset is None or onset <= end - lead_s)]
@@ -352,8 +373,8 @@ def task_bound_window(case: TraceCase, duration: float | None, gpus: int, k: int
     """The cheapest static (P, D) for what the reference knows of window k (replayed alone, as the oracle's)."""
     from splitserve.autoscaler.sim.oracle import cheapest_static, shifted
 
-    exp, _ = bursty_onsets(case, duration, gpus)
-    known = bursty_known(case, duration, gpus, k, lead_s)
+    exp, _ = burst_onsets(case, duration, gpus)
+    known = burst_known(case, duration, gpus, k, lead_s)
     if not known:
         return [0, 0]
     c = cheapest_static(shifted(known, k * BOUND_WINDOW_S), settings_of(exp), BOUND_WINDOW_S, TARGET,
@@ -374,52 +395,59 @@ def task_bound_run(case: TraceCase, duration: float | None, gpus: int, plans: li
     return summary(res) | {"margin": list(margin)}
 
 
-def bound(duration: float | None, gpus: int, jobs: int, reuse: bool) -> dict[str, Any]:
-    """How far the bursty trace's goal is from what any law reading only the past can reach. The references
-    follow per-30-s-window plans (the cheapest static P:D for the window's requests replayed alone, as the
-    oracle's) plus a standing margin of replicas, scaling up a cold start ahead of each window: `foresight` plans
-    from every request (it knows the future: what a cold start costs when nothing is a surprise);
-    `onset-blind@C` plans from the base stream's requests and those of the bursts that began at least a cold
-    start C before the window ends, so a burst is a surprise for its first cold start and no longer (it then
-    knows the burst's every request to its end). That is more than any causal law knows: a law deciding at
-    t - C knows nothing of a burst that begins after, and a Poisson process of burst starts gives the past no
-    hint of the next one. The cold start is simulated as C. -> results/autoscaling_bound.json"""
-    case = CASES["bursty"]
-    base = trace_results("bursty", duration, "the bound is priced against its oracle")
+def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) -> dict[str, Any]:
+    """How far a trace's goal is from what any law reading only the past can reach. The references follow
+    per-30-s-window plans (the cheapest static P:D for the window's requests replayed alone, as the oracle's)
+    plus a standing margin of replicas, scaling up a cold start ahead of each window: `foresight` plans from
+    every request (it knows the future: what a cold start costs when nothing is a surprise); `onset-blind@C`
+    plans from the base stream's requests and those of the bursts that began at least a cold start C before the
+    window ends, so a burst is a surprise for its first cold start and no longer (it then knows the burst's
+    every request to its end). That is more than any causal law knows: a law deciding at t - C knows nothing of
+    a burst that begins after, and where burst starts are a Poisson process the past gives no hint of the next
+    one. The bursts: the generated trace's own; a real trace's clumps (`burst_onsets`), whose starts are only
+    measured to be near-Poisson. The cold start is simulated as C. -> results/autoscaling_bound[_<trace>].json"""
+    case = CASES[name]
+    base = trace_results(name, duration, "the bound is priced against its oracle")
     oracle_s = base["policies"]["oracle"]["gpu_seconds"]
-    exp = experiment(case, duration, gpus)
+    exp, onsets = burst_onsets(case, duration, gpus)
     lead = exp.spec.autoscaling.model_load_seconds
     n = math.floor(exp.requests[-1].arrival / BOUND_WINDOW_S) + 1
+    margins = BOUND_MARGINS if case.file == "generated:bursty" else BOUND_MARGINS_CLUMPS
     refs = {"foresight": (None, lead)} | {f"onset-blind@{c:g}": (c, c) for c in (lead, *BOUND_SHORTER_STARTS)}
     t0 = time.perf_counter()
-    path = RESULTS / "autoscaling_bound.json"
+    path = bound_path(name)
     prev = json.loads(path.read_text()) if reuse and path.exists() else None
     kept = prev["plans"] if prev and (prev["duration_s"], prev["window_s"]) == (duration, BOUND_WINDOW_S) else {}
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        plans = {name: kept.get(name) or list(pool.map(task_bound_window, *zip(*[(case, duration, gpus, k, known)
-                                                                                 for k in range(n)], strict=True)))
-                 for name, (known, _) in refs.items()}
-        tasks = [(name, m) for name in refs for m in BOUND_MARGINS]
-        runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[name], m, refs[name][1])
-                                                    for name, m in tasks], strict=True)))
+        plans = {ref: kept.get(ref) or list(pool.map(task_bound_window, *zip(*[(case, duration, gpus, k, known)
+                                                                               for k in range(n)], strict=True)))
+                 for ref, (known, _) in refs.items()}
+        tasks = [(ref, m) for ref in refs for m in margins]
+        runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[ref], m, refs[ref][1])
+                                                    for ref, m in tasks], strict=True)))
     rows = []
-    for (name, m), r in zip(tasks, runs, strict=True):
-        rows.append({"reference": name, "cold_start_s": refs[name][1], "margin": list(m),
+    for (ref, m), r in zip(tasks, runs, strict=True):
+        rows.append({"reference": ref, "cold_start_s": refs[ref][1], "margin": list(m),
                      "slo_attainment": r["slo_attainment"], "feasible_attainment": r["feasible_attainment"],
                      "gpu_seconds": r["gpu_seconds"], "gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3),
                      "max_gpus": r["max_gpus"], "scale_changes": r["scale_changes"]})
+    in_bursts = sum(o is not None for o in onsets) / len(onsets)
     out = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
-           "window_s": BOUND_WINDOW_S, "oracle_gpu_seconds": oracle_s, "plans": plans, "runs": rows,
+           "window_s": BOUND_WINDOW_S, "oracle_gpu_seconds": oracle_s, "bursts": len(set(onsets) - {None}),
+           "share_in_bursts": round(in_bursts, 3), "plans": plans, "runs": rows,
            "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
+    if case.file != "generated:bursty":
+        out["clump_bin_s"] = BOUND_CLUMP_BIN_S
     path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{name}: {out['bursts']} bursts carry {in_bursts:.0%} of the requests")
     print("| reference | cold start | margin P+D | attainment | of feasible | GPU-s × oracle | peak GPUs |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['reference']} | {r['cold_start_s']:g} s | {r['margin'][0]}+{r['margin'][1]} | "
               f"{r['slo_attainment']:.3f} | {r['feasible_attainment']:.3f} | {r['gpu_seconds_vs_oracle']:.2f} | "
               f"{r['max_gpus']} |")
-    print(json.dumps({"bound": {f"{r['reference']}+{r['margin'][0]}x{r['margin'][1]}":
-                                [r["feasible_attainment"], r["gpu_seconds_vs_oracle"]] for r in rows}}))
+    print(json.dumps({"bound": {name: {f"{r['reference']}+{r['margin'][0]}x{r['margin'][1]}":
+                                       [r["feasible_attainment"], r["gpu_seconds_vs_oracle"]] for r in rows}}}))
     return out
 
 
@@ -828,8 +856,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run just these policies (law, law@PxD: another start, "
                     "law+minPxD: with minReplicas P prefill and D decode), "
                     "added to the results file's; 'cold' = " + ",".join(COLD))
-    ap.add_argument("--bound", action="store_true", help="the bursty trace against references that know its "
-                    "future but a burst's first cold start -> results/autoscaling_bound.json")
+    ap.add_argument("--bound", action="store_true", help="the bursty trace (or each --traces trace) against "
+                    "references that know its future but a burst's first cold start -> "
+                    "results/autoscaling_bound[_<trace>].json")
     ap.add_argument("--ratchet", action="store_true", help="each --traces trace's clumps, its start pair held, "
                     "and ratchets that raise it after every window short of 95%% -> results/autoscaling_ratchet.json")
     ap.add_argument("--robustness", action="store_true",
@@ -862,7 +891,8 @@ def main() -> None:
             CASES[n] = TraceCase(CASES[n].name, CASES[n].file, args.rate_scale, CASES[n].max_input)
     only = list(COLD) if args.only == "cold" else [p for p in args.only.split(",") if p] or None
     if args.bound:
-        bound(args.duration, args.gpus, args.jobs, args.reuse_baselines)
+        for name in names if args.traces != ap.get_default("traces") else ["bursty"]:
+            bound(name, args.duration, args.gpus, args.jobs, args.reuse_baselines)
         return
     if args.ratchet:
         ratchet(names, args.duration, args.gpus, args.jobs)
