@@ -326,7 +326,8 @@ BOUND_WINDOW_S = 30.0  # s, the references' plan windows
 BOUND_MARGINS = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (2, 2), (2, 3), (4, 2), (4, 3), (4, 4), (6, 3), (6, 4),
                  (8, 4), (10, 5))  # standing (prefill, decode) replicas above the plans
 # a real trace's clumps carry more than the generated bursts' first minute: its frontier runs further
-BOUND_MARGINS_CLUMPS = BOUND_MARGINS + ((6, 6), (8, 6), (10, 6), (12, 6), (14, 7), (16, 8))
+BOUND_MARGINS_CLUMPS = BOUND_MARGINS + ((5, 3), (5, 4), (7, 2), (7, 3), (6, 6), (8, 6), (10, 6), (12, 6), (14, 7),
+                                         (16, 8))
 BOUND_SHORTER_STARTS = (30.0, 15.0)  # s, cold starts the onset-blind reference is also run with
 BOUND_CLUMP_BIN_S = 5.0  # s: on a real trace, a clump of bins this long (`trace.clumps`) stands for a burst
 
