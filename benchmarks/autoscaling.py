@@ -363,7 +363,8 @@ def burst_onsets(case: TraceCase, duration: float | None, gpus: int):
 
 def burst_known(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None) -> list:
     """Window k's requests that a reference planning it knows of: all of them (`lead_s` None), or those of the
-    base stream and of the bursts that began at least `lead_s` before the window ends."""
+    base stream and of the bursts that began at least `lead_s` before the window ends (math.inf: the base
+    stream's alone)."""
     exp, onsets = burst_onsets(case, duration, gpus)
     start, end = k * BOUND_WINDOW_S, (k + 1) * BOUND_WINDOW_S
     return [r for r, onset in zip(exp.requests, onsets, strict=True) if start <= r.arrival < end
@@ -403,7 +404,8 @@ def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) 
     every request (it knows the future: what a cold start costs when nothing is a surprise); `onset-blind@C`
     plans from the base stream's requests and those of the bursts that began at least a cold start C before the
     window ends, so a burst is a surprise for its first cold start and no longer (it then knows the burst's
-    every request to its end). That is more than any causal law knows: a law deciding at t - C knows nothing of
+    every request to its end); `onset-blind@C, margin over the base stream` is the same but holds the larger of
+    its plan and the base stream's plan plus the margin, not their sum. That is more than any causal law knows: a law deciding at t - C knows nothing of
     a burst that begins after, and where burst starts are a Poisson process the past gives no hint of the next
     one. The bursts: the generated trace's own; a real trace's clumps (`burst_onsets`), whose starts are only
     measured to be near-Poisson. The cold start is simulated as C. -> results/autoscaling_bound[_<trace>].json"""
@@ -419,12 +421,24 @@ def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) 
     path = bound_path(name)
     prev = json.loads(path.read_text()) if reuse and path.exists() else None
     kept = prev["plans"] if prev and (prev["duration_s"], prev["window_s"]) == (duration, BOUND_WINDOW_S) else {}
+    # the onset-blind reference with its margin placed otherwise: only where the known load needs less than the
+    # base stream's plan plus the margin (the larger of the two, not their sum)
+    blind, over_base = f"onset-blind@{lead:g}", f"onset-blind@{lead:g}, margin over the base stream"
+    known_of = {ref: known for ref, (known, _) in refs.items()} | {"base stream": math.inf}
+    refs[over_base] = refs[blind]
+
+    def followed(ref: str, m: tuple[int, int]) -> tuple[list[list[int]], tuple[int, int]]:
+        if ref != over_base:
+            return plans[ref], m
+        return [[max(p, b + m[0]), max(d, c + m[1])] for (p, d), (b, c)
+                in zip(plans[blind], plans["base stream"], strict=True)], (0, 0)
+
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         plans = {ref: kept.get(ref) or list(pool.map(task_bound_window, *zip(*[(case, duration, gpus, k, known)
                                                                                for k in range(n)], strict=True)))
-                 for ref, (known, _) in refs.items()}
+                 for ref, known in known_of.items()}
         tasks = [(ref, m) for ref in refs for m in margins]
-        runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[ref], m, refs[ref][1])
+        runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, *followed(ref, m), refs[ref][1])
                                                     for ref, m in tasks], strict=True)))
     rows = []
     for (ref, m), r in zip(tasks, runs, strict=True):
