@@ -404,11 +404,12 @@ def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) 
     every request (it knows the future: what a cold start costs when nothing is a surprise); `onset-blind@C`
     plans from the base stream's requests and those of the bursts that began at least a cold start C before the
     window ends, so a burst is a surprise for its first cold start and no longer (it then knows the burst's
-    every request to its end); `onset-blind@C, margin over the base stream` is the same but holds the larger of
-    its plan and the base stream's plan plus the margin, not their sum. That is more than any causal law knows: a law deciding at t - C knows nothing of
+    every request to its end). That is more than any causal law knows: a law deciding at t - C knows nothing of
     a burst that begins after, and where burst starts are a Poisson process the past gives no hint of the next
-    one. The bursts: the generated trace's own; a real trace's clumps (`burst_onsets`), whose starts are only
-    measured to be near-Poisson. The cold start is simulated as C. -> results/autoscaling_bound[_<trace>].json"""
+    one. `onset-blind@C, margin over the base stream` is the same but holds the larger of its plan and the base
+    stream's plan plus the margin, not their sum. The bursts: the generated trace's own; a real trace's clumps
+    (`burst_onsets`), whose starts are only measured to be near-Poisson. The cold start is simulated as C.
+    -> results/autoscaling_bound[_<trace>].json"""
     case = CASES[name]
     base = trace_results(name, duration, "the bound is priced against its oracle")
     oracle_s = base["policies"]["oracle"]["gpu_seconds"]
