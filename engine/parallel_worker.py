@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from splitserve.common.proc import die_with, free_port
+from splitserve.common.proc import die_with, free_port, python_module
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.loading import build_runner, rank_device
 from splitserve.engine.parallel import KVShard, ParallelContext, init_parallel, replicate_kv_heads
@@ -78,7 +78,7 @@ def start_followers(config: EngineConfig, device: torch.device
     for r in range(1, world):
         ours, theirs = socket.socketpair()
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "splitserve.engine.parallel_worker", "--rank", str(r), "--world-size", str(world),
+            [*python_module("splitserve.engine.parallel_worker"), "--rank", str(r), "--world-size", str(world),
              "--init-method", init_method, "--config", config.to_json(), "--link-fd", str(theirs.fileno()),
              "--parent-pid", str(os.getpid())],
             # no preexec_fn: rank 0 runs gRPC threads, and Python between fork and exec can deadlock or abort

@@ -1,10 +1,11 @@
 """The gateway's view of its workers: who they are (from membership), whether they are healthy (checked in the
 background), and how loaded they are (requests this gateway has in flight on each).
 
-Health is not latency. A worker's state is `up` (ready: it gets requests), `starting` (answers, not ready yet),
-`slow` (still accepts connections, but several health checks in a row went unanswered) or `down` (its
-connection is broken). One late answer from a busy worker changes nothing; while a role has workers that are
-merely slow or starting, requests wait for them instead of failing.
+Health is not latency. A worker's state is `up` (ready: it gets requests), `starting` (not listening yet, or
+answering but not ready), `slow` (still accepts connections, but several health checks in a row went
+unanswered) or `down` (its connection broke after it had answered once). One late answer from a busy worker
+changes nothing; while a role has workers that are merely slow or starting, requests wait for them (bounded by
+the queue timeout) instead of failing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Worker:
     load: WorkerLoad = field(repr=False)
     failures: int = 0  # health checks failed in a row
     state: str = "starting"  # up | starting | slow | down
+    reached: bool = False  # it answered a health check once: a refused connection after that means down
     engine: str = ""  # native | vllm, as its health says ("" until it answered)
     capabilities: frozenset[str] = frozenset()  # as its health says: "resume" (it can continue a moved request)
 
@@ -136,12 +138,15 @@ class WorkerSet:
         except WorkerCallError as e:
             worker.failures += 1
             why = e.details
-            if e.kind == "unavailable":  # refused or reset: the connection is broken
+            if e.kind == "unavailable" and not worker.reached:  # not listening yet: still starting
+                self._set_state(worker, "starting", "not listening yet")
+            elif e.kind == "unavailable":  # refused or reset: the connection is broken
                 self._set_state(worker, "down", why)
             elif worker.failures >= self.failures_to_down and worker.state == "up":
                 self._set_state(worker, "slow", f"{worker.failures} health checks in a row failed: {why}")
             return
         worker.failures = 0
+        worker.reached = True
         worker.engine = h.engine
         worker.capabilities = h.capabilities
         worker.load.draining = h.draining or worker.info.draining

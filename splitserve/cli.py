@@ -393,8 +393,10 @@ def schema() -> None:
 
 # -- load testing -----------------------------------------------------------------------------------------
 @app.command("bench")
-@click.option("--url", required=True, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-@click.option("--model", default="smollm2", show_default=True, help="model name to request")
+@click.option("-f", "--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="a SplitServeCluster file: the URL (its router port on 127.0.0.1), model and SLO default to its own")
+@click.option("--url", default=None, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+@click.option("--model", default=None, help="model name to request [default: the file's, else smollm2]")
 @click.option("--num-requests", type=int, default=32, show_default=True, help="requests to send")
 @click.option("--rate", type=float, default=1.0, show_default=True, help="Poisson arrival rate, requests/s (0: all at once)")
 @click.option("--trace", default=None, help="replay a trace: Mooncake .jsonl or Azure .csv")
@@ -406,9 +408,10 @@ def schema() -> None:
 @click.option("--vocab-low", type=int, default=1000, show_default=True, help="lowest token id used in synthetic prompts")
 @click.option("--vocab-high", type=int, default=30000, show_default=True,
               help="highest token id (exclusive) in synthetic prompts")
-@click.option("--slo-ttft", type=float, default=2.0, show_default=True, help="TTFT SLO in seconds (goodput)")
-@click.option("--slo-itl", type=float, default=0.2, show_default=True,
-              help="p99 inter-token latency SLO per request, seconds")
+@click.option("--slo-ttft", type=float, default=None,
+              help="TTFT SLO in seconds (goodput) [default: the file's slo.ttftSeconds, else 2]")
+@click.option("--slo-itl", type=float, default=None,
+              help="p99 inter-token latency SLO per request, seconds [default: the file's slo.itlSeconds, else 0.2]")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="per-request timeout, seconds")
 @click.option("--max-failure-rate", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="fraction of requests that may fail; above it the run exits 1 (after its report)")
@@ -416,16 +419,19 @@ def schema() -> None:
 @click.option("--json", "as_json", is_flag=True, help="end with one JSON line")
 @click.option("--plot", "plot_path", default=None, help="write latency CDFs to this PNG")
 @click.option("--progress/--no-progress", default=True, help="progress bar on stderr")
-def bench(url: str, model: str, num_requests: int, rate: float, trace: str | None, time_scale: float,
-          input_len: int, output_len: int, max_input_len: int, max_output_len: int, vocab_low: int, vocab_high: int,
-          slo_ttft: float, slo_itl: float, timeout: float, max_failure_rate: float, seed: int, as_json: bool,
-          plot_path: str | None, progress: bool) -> None:
-    """Load-test an OpenAI-compatible URL (Poisson arrivals or a trace replay)."""
+def bench(config_path: str | None, url: str | None, model: str | None, num_requests: int, rate: float,
+          trace: str | None, time_scale: float, input_len: int, output_len: int, max_input_len: int,
+          max_output_len: int, vocab_low: int, vocab_high: int, slo_ttft: float | None, slo_itl: float | None,
+          timeout: float, max_failure_rate: float, seed: int, as_json: bool, plot_path: str | None,
+          progress: bool) -> None:
+    """Load-test an OpenAI-compatible URL (Poisson arrivals or a trace replay). With -f, the cluster that file
+    describes, judged by its own objectives."""
     import asyncio
 
     from splitserve import bench as b
 
     setup_logging("warning")
+    url, model, slo_ttft, slo_itl = _bench_target(config_path, url, model, slo_ttft, slo_itl)
     if num_requests < 1 or rate < 0 or not 0 <= vocab_low < vocab_high:
         fail("num-requests must be >= 1, rate >= 0 and vocab-low < vocab-high")
     vocab = (vocab_low, vocab_high)
@@ -453,6 +459,23 @@ def bench(url: str, model: str, num_requests: int, rate: float, trace: str | Non
     if problem:
         sys.stdout.flush()
         fail(problem, code=1)
+
+
+def _bench_target(config_path: str | None, url: str | None, model: str | None, slo_ttft: float | None,
+                  slo_itl: float | None) -> tuple[str, str, float, float]:
+    """URL, model and SLO for `bench`: each flag given, else the cluster file's, else the built-in default."""
+    from splitserve.common.config_file import ConfigError, load
+
+    if config_path is None:
+        if url is None:
+            fail("give --url (or -f, a cluster file whose router it measures)")
+        return url, model or "smollm2", 2.0 if slo_ttft is None else slo_ttft, 0.2 if slo_itl is None else slo_itl
+    try:
+        spec = load(config_path).spec
+    except ConfigError as e:
+        fail(str(e))
+    return (url or f"http://127.0.0.1:{spec.router.port}", model or spec.model.served_name,
+            spec.slo.ttft_seconds if slo_ttft is None else slo_ttft, spec.slo.itl_seconds if slo_itl is None else slo_itl)
 
 
 # -- commands that live in their own modules: Kubernetes, the autoscaling simulator -----------------------

@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import dump
-from splitserve.common.proc import dying_with_me, free_port
+from splitserve.common.proc import dying_with_me, free_port, splitserve_command
 
 log = logging.getLogger("splitserve.launcher")
 READY_TIMEOUT_S = 600.0
@@ -38,6 +37,7 @@ class Launcher:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._reported: set[str] = set()
         self.retired: set[str] = set()  # workers drained on purpose (scale-down): their exit is no failure
+        self.hurry = False  # set by a second Ctrl-C: `stop` kills what is still running instead of waiting
         self._next_index: dict[str, int] = {"prefill": 0, "decode": 0}
         spec = self.resource.spec
         self.components: dict = {"router": f"http://{host}:{spec.router.port}", "prefill": [], "decode": []}
@@ -46,7 +46,7 @@ class Launcher:
         self.config_path = Path(self._dir.name) / "cluster.yaml"
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        cmd = dying_with_me([sys.executable, "-m", "splitserve.cli", *args])
+        cmd = dying_with_me([*splitserve_command(), *args])
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 env={**os.environ, **env} if env else None)
         self.procs.append((name, proc))
@@ -196,21 +196,24 @@ class Launcher:
     def stop(self) -> None:
         """SIGTERM the workers and gateways, and once they are gone Redis (their close talks to it); whatever has
         not exited once the drain period is over gets SIGKILL. Every 15 s it logs who is still running."""
-        spec = self.resource.spec
-        grace = max(spec.prefill.drain_seconds, spec.decode.drain_seconds) + 10.0
         users = [(n, p) for n, p in self.procs if n != "redis"]
-        self._stop_group(users, grace)
+        self._stop_group(users, self.grace_seconds)
         self._stop_group([(n, p) for n, p in self.procs if n == "redis"], 10.0)
         self._dir.cleanup()
 
-    @staticmethod
-    def _stop_group(procs: list[tuple[str, subprocess.Popen]], grace: float) -> None:
+    @property
+    def grace_seconds(self) -> float:
+        """How long `stop` waits for workers and gateways after SIGTERM: the longest drain, and 10 s more."""
+        spec = self.resource.spec
+        return max(spec.prefill.drain_seconds, spec.decode.drain_seconds) + 10.0
+
+    def _stop_group(self, procs: list[tuple[str, subprocess.Popen]], grace: float) -> None:
         for _, p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         start = time.monotonic()
         next_report = start + 15.0
-        while time.monotonic() - start < grace:
+        while time.monotonic() - start < grace and not self.hurry:
             running = [n for n, p in procs if p.poll() is None]
             if not running:
                 return
@@ -220,7 +223,8 @@ class Launcher:
             time.sleep(0.05)
         for name, p in procs:
             if p.poll() is None:
-                log.warning("%s did not exit %.0f s after SIGTERM: killing it", name, grace)
+                log.warning("%s did not exit %s: killing it", name,
+                            "before a second Ctrl-C" if self.hurry else f"{grace:.0f} s after SIGTERM")
                 p.kill()
                 try:
                     p.wait(10)
@@ -307,7 +311,13 @@ def run(resource: ClusterResource, host: str, profile: str | None = None) -> int
     stop = [False]
 
     def on_signal(signum, frame) -> None:
+        if stop[0]:  # a second Ctrl-C (or SIGTERM): no more waiting for the drain
+            launcher.hurry = True
+            return
         stop[0] = True
+        if signum == signal.SIGINT:
+            log.info("stopping: streams in flight get up to %.0f s to finish (drainSeconds); Ctrl-C again stops "
+                     "now", launcher.grace_seconds)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)

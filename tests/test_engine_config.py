@@ -92,7 +92,7 @@ def test_the_vllm_command_follows_the_model():
                    vllm={"args": ["--quantization", "fp8"]}).spec
     cmd = command(spec, "decode", "/models/m", PORTS)
     flags = dict(zip(cmd, cmd[1:], strict=False))
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[1:4] == ["-P", "-m", "vllm.entrypoints.openai.api_server"]  # -P: no checkout shadows splitserve
     assert flags["--model"] == "/models/m" and flags["--port"] == "8200" and flags["--host"] == "127.0.0.1"
     assert flags["--block-size"] == "32" and flags["--max-num-seqs"] == "7" and flags["--dtype"] == "float32"
     assert flags["--max-model-len"] == "2048" and "--enforce-eager" in cmd  # eager on CPU

@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import IO
 
 from splitserve.common.config import ClusterSpec, parse_memory
+from splitserve.common.logs import relay_lines
 from splitserve.common.proc import dying_with_me
 from splitserve.vllm_engine.pool_plan import EXTRA_KEY as POOL_EXTRA_KEY
 from splitserve.vllm_engine.pool_plan import REDIS_URL_ENV
 from splitserve.vllm_engine.vllm_plugin import ENV as PROGRESS_DELAY_ENV
 
 log = logging.getLogger("splitserve.vllm")
+SERVER_LOG = logging.getLogger("splitserve.vllm.server")  # the server's own lines, relayed
 
 EVENTS_TOPIC = "kv-events"
 
@@ -79,7 +81,9 @@ def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: 
     directory as the server sees it. Its KV event publisher connects to the worker's loopback port (vLLM binds
     only wildcard endpoints; the worker binds this one). `pool_identity`: see `pool_extra_config`."""
     m, e = spec.model, spec.role(role).engine
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+    # -P: the working directory stays off sys.path (a checkout's source folder would shadow the installed
+    # splitserve that vLLM imports our connectors and plugin from)
+    cmd = [python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", m.served_name, "--host", "127.0.0.1", "--port", str(ports.http),
            "--dtype", "float32" if m.dtype == "auto" and is_cpu(spec) else m.dtype, "--block-size", str(m.block_size),
            "--tensor-parallel-size", str(m.tensor_parallel_size),
@@ -187,11 +191,18 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        """Start the server. Without `output`, its lines become this process's JSON log lines (logger
+        `splitserve.vllm`, at the level each line names; unlabelled lines: info from stdout, warning from stderr)."""
         log.info("starting vLLM: %s", " ".join(self.cmd))
+        relay = self.output is None
         self.proc = subprocess.Popen(dying_with_me(self.cmd), env={**os.environ, **self.env},
-                                     stdin=subprocess.DEVNULL, stdout=self.output,
-                                     stderr=None if self.output is None else subprocess.STDOUT,
-                                     start_new_session=True)
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if relay else self.output,
+                                     stderr=subprocess.PIPE if relay else subprocess.STDOUT,
+                                     text=True, errors="replace", start_new_session=True)
+        if relay:
+            assert self.proc.stdout is not None and self.proc.stderr is not None
+            relay_lines(self.proc.stdout, SERVER_LOG, logging.INFO)
+            relay_lines(self.proc.stderr, SERVER_LOG, logging.WARNING)
 
     @property
     def exited(self) -> int | None:

@@ -18,6 +18,20 @@ import time
 from collections import deque
 
 
+def python_module(module: str) -> list[str]:
+    """The command line that runs `module` of the installed splitserve in this interpreter. `-P` keeps the
+    working directory off `sys.path`: run from a checkout, its source folder `./splitserve` would otherwise
+    shadow the installed package (and lacks the subpackages installed from the other top-level folders)."""
+    return [sys.executable, "-P", "-m", module]
+
+
+def splitserve_command() -> list[str]:
+    """The installed `splitserve` entry point, as children of every host start it: the console script beside
+    this interpreter (a virtualenv's or an image's bin/), else the CLI module run as `python_module` does."""
+    script = os.path.join(os.path.dirname(sys.executable), "splitserve")
+    return [script] if os.access(script, os.X_OK) else python_module("splitserve.cli")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -58,7 +72,7 @@ def dying_with_me(cmd: list[str]) -> list[str]:
     execs `cmd`; the signal survives the exec. Unlike a preexec_fn, nothing runs between fork and exec here, so
     it is safe from a process with threads (the autoscaler's, gRPC's fork handlers) and works for any
     program (redis-server)."""
-    return [sys.executable, "-m", "splitserve.common.proc", "--die-with", str(os.getpid()), "--", *cmd]
+    return [*python_module("splitserve.common.proc"), "--die-with", str(os.getpid()), "--", *cmd]
 
 
 def die_with_parent_unless_detached() -> bool:
