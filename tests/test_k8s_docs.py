@@ -283,3 +283,35 @@ def test_console_examples_name_the_gpu_examples_workers_their_log_lines_and_metr
             continue
         checked += 1
     assert checked == 3
+
+
+# The NVIDIA driver branch each CUDA major needs at least (CUDA's minor version compatibility).
+DRIVER_BRANCH = {12: "R525", 13: "R580"}
+
+
+def test_the_gpu_node_prerequisites_are_the_worker_images():
+    """The page names the worker image's CUDA base and its NIXL build, and the driver branch that CUDA major
+    needs: bumping CUDA_IMAGE without the page fails here."""
+    base = re.search(r"^ARG CUDA_IMAGE=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M).group(1)
+    major = int(re.match(r"nvidia/cuda:(\d+)\.", base).group(1))
+    assert f"`{base}`" in DOC
+    assert f"nixl-cu{major}==" in (ROOT / "Makefile").read_text()  # what install-worker installs
+    assert f"`nixl-cu{major}`" in DOC
+    assert f"branch {DRIVER_BRANCH[major]} or newer (CUDA {major}.x's minimum" in DOC
+
+
+def test_the_release_section_is_what_the_workflow_publishes():
+    workflow = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    release = DOC[DOC.index("## The release"):DOC.index("## Build and push your own")]
+    for m in workflow["jobs"]["image"]["strategy"]["matrix"]["include"]:
+        assert f"`{m['target']}`" in release
+    [meta] = [s for s in workflow["jobs"]["image"]["steps"] if s.get("uses", "").startswith("docker/metadata-action@")]
+    shown = {"type=semver,pattern={{version}}": "`X.Y.Z`", "type=semver,pattern={{major}}.{{minor}}": "`X.Y`",
+             "type=sha": "`sha-<commit>`"}
+    assert {line.strip() for line in meta["with"]["tags"].splitlines() if line.strip()} == set(shown)
+    assert all(text in release for text in shown.values())
+    # "no tag yet" holds only while the release's tag is absent from this clone
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    tags = subprocess.run(["git", "tag", "--list", "v*"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if f"v{version}" in tags:
+        assert "No tag has been pushed yet" not in release
