@@ -155,10 +155,9 @@ def test_bench_against_the_gateway(disagg, tmp_path):
     for trace in sorted((root / "benchmarks" / "traces").glob("*_48.*")):
         runs.append(["--trace", str(trace), "--num-requests", "3", "--time-scale", "0.01", "--max-input-len", "96",
                      "--max-output-len", "6"])
-    for cmd in (c for c in readme_commands() if c[0] == "bench"):
-        url = cmd.index("--url")
-        runs.append([a for a in cmd[1:url] + cmd[url + 2:] if a != "--json"])
-    assert len(runs) == 5, runs
+    readme = [[a for a in c[1:] if a != "--json"] for c in readme_commands() if c[0] == "bench"]
+    assert len(readme) == 2 and all(c[:2] == ["-f", "deploy/examples/local-cpu.yaml"] for c in readme), readme
+    runs += readme
     for extra in runs:
         res = subprocess.run([exe, "bench", "--url", disagg.url, "--model", "smollm2", "--json", "--no-progress", *extra],
                              capture_output=True, text=True, timeout=300, cwd=root)
@@ -169,6 +168,10 @@ def test_bench_against_the_gateway(disagg, tmp_path):
             assert key in out, key
         assert out["completed"] == out["requests"] and out["failed"] == 0
         assert out["output_tok_s"] > 0 and out["ttft_p50_s"] > 0
+        if extra in readme:  # judged by the cluster file's own SLO (4 s TTFT, 0.5 s ITL)
+            assert (out["slo_ttft_s"], out["slo_itl_s"]) == (4.0, 0.5), out
+        if extra is readme[0]:  # short Poisson prompts: this CPU meets that SLO even when busy
+            assert out["goodput_rps"] > 0, out
 
 
 BAD = [
