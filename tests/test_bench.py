@@ -123,3 +123,16 @@ def test_the_readme_trace_example_reads_a_sample_in_the_repository():
         assert path.is_file() and path.is_relative_to(ROOT / "benchmarks" / "traces"), path
         n = int(cmd[cmd.index("--num-requests") + 1])
         assert len(b.load_trace(str(path), n, 1.0, 1024, 32, (1000, 30000), 0)) == n
+
+
+def test_bench_without_a_target_or_with_a_bad_cluster_file_is_one_line(tmp_path):
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("apiVersion: splitserve.dev/v1alpha1\nkind: SplitServeCluster\nmetadata: {name: x}\n"
+                   "spec: {slo: {ttftSeconds: -1}}\n")
+    for args, names in (([], "--url"), (["-f", str(tmp_path / "missing.yaml")], "missing.yaml"),
+                        (["-f", str(bad)], "slo.ttftSeconds")):
+        res = subprocess.run([str(BIN), "bench", *args, "--num-requests", "1"], capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and names in lines[0], lines

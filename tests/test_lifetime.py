@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -88,6 +89,18 @@ def start_up_under_a_parent() -> tuple[subprocess.Popen, int, dict]:
     return parent, up_pid, components
 
 
+def read_components(up: subprocess.Popen, timeout: float = 240) -> dict:
+    """`up`'s components line, once it is ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()
+        if not line:
+            break
+        if line.startswith("splitserve components "):
+            return json.loads(line.split(" ", 2)[2])
+    raise RuntimeError("splitserve up did not become ready")
+
+
 def tree(components: dict) -> list[int]:
     return [w["pid"] for w in components["decode"]] + [r["pid"] for r in components["routers"]] + \
         [components["redis"]["pid"]]
@@ -119,3 +132,39 @@ def test_what_up_started_dies_when_up_is_killed_with_sigkill():
         for p in [up_pid, *pids]:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_ctrl_c_waits_for_the_drain_and_says_a_second_one_stops_now():
+    """Ctrl-C in a terminal signals the whole foreground group: `up` and its workers. With a stream in flight the
+    first one says how long the drain may take and that a second Ctrl-C stops now; the second stops everything at
+    once, well before the drain period (drainSeconds, 120 s by default) would have ended."""
+    import httpx
+
+    port = free_port()
+    up = subprocess.Popen([str(BIN), "up", "--mode", "colocated", "--decode", "1", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)  # its own group, as a shell gives a foreground job
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(up.stderr), daemon=True).start()
+    try:
+        components = read_components(up)
+        pids = [w["pid"] for w in components["decode"]] + [r["pid"] for r in components["routers"]]
+        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 4000, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # the stream is running
+            os.killpg(up.pid, signal.SIGINT)
+            deadline = time.monotonic() + 30
+            while not any("Ctrl-C again stops now" in line for line in stderr):
+                assert time.monotonic() < deadline and up.poll() is None, "".join(stderr[-20:])
+                time.sleep(0.1)
+            assert up.poll() is None  # still draining: the stream is in flight
+            started = time.monotonic()
+            os.killpg(up.pid, signal.SIGINT)
+            up.wait(30)
+        assert time.monotonic() - started < 30
+        assert wait_gone(pids, 30) == []
+        hint = next(json.loads(line) for line in stderr if "Ctrl-C again stops now" in line)
+        assert hint["level"] == "info" and "130 s" in hint["msg"]  # drainSeconds and the 10 s after it
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
