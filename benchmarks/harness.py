@@ -52,6 +52,17 @@ def save(stem: str, result: dict[str, Any], markdown: str | None = None) -> Path
     return path
 
 
+def report(title: str, command: str, text: str, result: dict[str, Any]) -> str:
+    """The Markdown a run saves beside its JSON: a title, the command that ran (with its settings), the table,
+    the JSON line."""
+    return f"# {title}\n\n{command}\n\n{text}\n\n{json.dumps(result)}\n"
+
+
+def ratio(num: dict[str, Any], den: dict[str, Any], key: str) -> float | None:
+    """num[key] / den[key] to 3 decimals; None when either is missing (or den's is 0)."""
+    return round(num[key] / den[key], 3) if den.get(key) and num.get(key) is not None else None
+
+
 def out_path(name: str, out: str = "") -> Path:
     """Where a GPU benchmark writes its result file: --out (`out`) or benchmarks/results/NAME, moved under $OUT
     with the same file name when $OUT is set (the folder a device machine sends back)."""

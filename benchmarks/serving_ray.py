@@ -12,13 +12,12 @@ Prints a table and ends with one JSON line; `--save NAME` writes benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import Any
 
-from harness import ROOT, Cluster, bench_poisson, finish, markdown_table, save
+from harness import ROOT, Cluster, bench_poisson, finish, markdown_table, ratio, report, save
 
 CLUSTER = ROOT / "deploy" / "examples" / "local-cpu.yaml"
 KEYS = ("completed", "failed", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "output_tok_s")
@@ -48,11 +47,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     up, ray = runs["up"], runs["ray"]
-
-    def ratio(key: str) -> float | None:
-        return round(ray[key] / up[key], 3) if up.get(key) and ray.get(key) is not None else None
-
-    out = {"ttft_p50_ratio": ratio("ttft_p50_s"), "itl_p50_ratio": ratio("itl_p50_s"),
+    out = {"ttft_p50_ratio": ratio(ray, up, "ttft_p50_s"), "itl_p50_ratio": ratio(ray, up, "itl_p50_s"),
            "memory_overhead_gb": round(ray["pss_idle_gb"] - up["pss_idle_gb"], 3)}
     out["within_10pct"] = all(r is not None and r <= 1.10 for r in (out["ttft_p50_ratio"], out["itl_p50_ratio"]))
     return out
@@ -86,11 +81,10 @@ def main() -> None:
               "input_len": args.input_len, "output_len": args.output_len, "kv_transport": args.kv_transport},
               "cpus": os.cpu_count(), "runs": runs, **cmp}
     if args.save:
-        save(f"serving_ray_{args.save}", result,
-             f"# `splitserve up` against `serve-ray`, {CLUSTER.name}, this machine\n\n"
-             f"`python benchmarks/serving_ray.py --save {args.save}` ({args.requests} requests, Poisson "
-             f"{args.rate}/s, {args.input_len} in / {args.output_len} out, kv {args.kv_transport})\n\n{text}\n\n"
-             + json.dumps(result) + "\n")
+        save(f"serving_ray_{args.save}", result, report(
+            f"`splitserve up` against `serve-ray`, {CLUSTER.name}, this machine",
+            f"`python benchmarks/serving_ray.py --save {args.save}` ({args.requests} requests, Poisson {args.rate}/s, "
+            f"{args.input_len} in / {args.output_len} out, kv {args.kv_transport})", text, result))
     finish(text, result)
 
 

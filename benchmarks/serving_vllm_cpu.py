@@ -17,7 +17,6 @@ Prints a table and ends with one JSON line; `--save NAME` writes benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from harness import (
     markdown_table,
     process_tree,
     pss_bytes,
+    ratio,
+    report,
     run_bench,
     save,
     snapshot,
@@ -164,11 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     gw, vl = runs["gateway"], runs["vllm"]
-
-    def ratio(key: str) -> float | None:
-        return round(gw[key] / vl[key], 3) if vl.get(key) and gw.get(key) is not None else None
-
-    out = {"ttft_p50_ratio": ratio("ttft_p50_s"), "itl_p50_ratio": ratio("itl_p50_s"),
+    out = {"ttft_p50_ratio": ratio(gw, vl, "ttft_p50_s"), "itl_p50_ratio": ratio(gw, vl, "itl_p50_s"),
            "ttft_p50_added_ms": None if gw.get("ttft_p50_s") is None or vl.get("ttft_p50_s") is None
            else round((gw["ttft_p50_s"] - vl["ttft_p50_s"]) * 1000, 1),
            "ready_added_s": round(gw["ready_s"] - vl["ready_s"], 1),
@@ -212,12 +209,12 @@ def main() -> None:
               "output_len": args.output_len, "warmup": args.warmup, "order": args.order},
               "cpus": os.cpu_count(), "runs": runs, **cmp}
     if args.save:
-        save(f"serving_vllm_cpu_{args.save}", result,
-             f"# Our gateway in front of vLLM against vLLM's own server, CPU, this machine\n\n"
-             f"`python benchmarks/serving_vllm_cpu.py --save {args.save}` ({args.requests} requests, Poisson "
-             f"{args.rate}/s, {args.input_len} in / {args.output_len} out, {args.warmup} warm-up, "
-             f"{args.order.replace(',', ' then ')}); gateway: `{result['command']}`; vllm: the same vLLM command "
-             f"line and environment our worker uses (role both), alone\n\n{text}\n\n" + json.dumps(result) + "\n")
+        save(f"serving_vllm_cpu_{args.save}", result, report(
+            "Our gateway in front of vLLM against vLLM's own server, CPU, this machine",
+            f"`python benchmarks/serving_vllm_cpu.py --save {args.save}` ({args.requests} requests, Poisson "
+            f"{args.rate}/s, {args.input_len} in / {args.output_len} out, {args.warmup} warm-up, "
+            f"{args.order.replace(',', ' then ')}); gateway: `{result['command']}`; vllm: the same vLLM command "
+            f"line and environment our worker uses (role both), alone", text, result))
     finish(text, result)
 
 

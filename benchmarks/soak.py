@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from harness import BIN, Cluster, finish, http_json, save, scrape, wait_until
+from harness import BIN, Cluster, finish, http_json, report, save, scrape, wait_until
 
 from splitserve.common.proc import free_port
 
@@ -257,11 +257,10 @@ def main() -> None:
     result["goal_met"] = result["lost"] == 0 and (result["max_rss_growth_pct"] or 0) < 5.0
     text = table(result)
     if args.save:
-        save(f"soak_{args.save}", result,
-             f"# Soak: mixed traffic, client cancels and worker kills, this machine ({os.cpu_count()} cores)\n\n"
-             f"`python benchmarks/soak.py --save {args.save}` (duration {args.duration:g} s, warm-up "
-             f"{args.warmup:g} s, a kill every {args.kill_every:g} s, {args.workers} workers, {args.clients} "
-             f"clients)\n\n{text}\n\n" + json.dumps(result) + "\n")
+        save(f"soak_{args.save}", result, report(
+            f"Soak: mixed traffic, client cancels and worker kills, this machine ({os.cpu_count()} cores)",
+            f"`python benchmarks/soak.py --save {args.save}` (duration {args.duration:g} s, warm-up {args.warmup:g} s, "
+            f"a kill every {args.kill_every:g} s, {args.workers} workers, {args.clients} clients)", text, result))
     finish(text, result)
 
 
