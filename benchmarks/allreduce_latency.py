@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from harness import finish, out_path
 
 SIZES = (1, 8, 32, 128)  # tokens; each row is hidden=4096 bf16 (8 KiB a token)
 CALLS = 64  # all-reduces per decode step of a 32-layer model
@@ -83,13 +82,10 @@ def main() -> None:
     mp.start_processes(_worker, args=(args.gpus, port, queue), nprocs=args.gpus, start_method="spawn")
     rows = queue.get(timeout=60)
     res = {"device": torch.cuda.get_device_name(0), "gpus": args.gpus, "calls_per_step": CALLS, "rows": rows}
-    for r in rows:
-        print(f"all-reduce {r['tokens']:>4} tokens ({r['bytes'] // 1024:>5} KiB): eager {r['eager_us']:6.1f} us, "
-              f"graph {r['graph_us']:6.1f} us; x{CALLS} per step = {r['graph_us'] * CALLS / 1e3:.2f} ms")
-    out = args.out or str(Path(os.environ.get("OUT", "benchmarks/results")) / f"allreduce_latency_{args.gpus}gpu.json")
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(res, indent=1))
-    print(json.dumps(res))
+    out_path(f"allreduce_latency_{args.gpus}gpu.json", args.out).write_text(json.dumps(res, indent=1) + "\n")
+    finish("\n".join(f"all-reduce {r['tokens']:>4} tokens ({r['bytes'] // 1024:>5} KiB): eager {r['eager_us']:6.1f} "
+                     f"us, graph {r['graph_us']:6.1f} us; x{CALLS} per step = {r['graph_us'] * CALLS / 1e3:.2f} ms"
+                     for r in rows), res)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import RESULTS, TRACES, Cluster, out_path
+
 from splitserve.autoscaler.profile import PROFILE_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-TRACES = Path(os.environ.get("SPLITSERVE_TRACES", ROOT.parent / "shared" / "traces"))
 GPU_PROFILE = PROFILE_DIR / "h200_8b.json"
 GPU_STEPS = RESULTS / "sim_calibration_h200_8b_steps.json"
 CPU_PROFILE = PROFILE_DIR / "cpu2_smollm2.json"
@@ -653,10 +652,8 @@ def machine() -> dict[str, Any]:
 def measure_gpu() -> dict[str, Any]:
     """Step times of our engine on this GPU, each step's contents known (run on the device machine)."""
 
-    import torch
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import gpu_engine as ge
+    import torch
 
     from splitserve.engine import SamplingParams
 
@@ -694,7 +691,7 @@ def measure_gpu() -> dict[str, Any]:
     out = {"device": dev, "engine_build_s": round(build_s, 2), "points": points,
            "settings": {"max_num_batched_tokens": 2048, "max_num_seqs": 128, "kv_cache_memory": "96GiB",
                         "model": "llama-3.1-8b shape, dummy bf16 weights"}}
-    path = Path(os.environ.get("OUT", RESULTS)) / GPU_STEPS.name
+    path = out_path(GPU_STEPS.name)
     path.write_text(json.dumps(out, indent=1) + "\n")
     return {"device": dev, "points": len(points), "engine_build_s": out["engine_build_s"], "file": str(path)}
 
@@ -730,33 +727,22 @@ def validation_cases(poisson_n: int, trace_n: int, rate: float) -> list[tuple[st
 def measure_local(port: int, cases: list[tuple[str, list]], threshold: int) -> dict[str, Any]:
     """`splitserve up` (1 prefill + 1 decode worker) under `splitserve bench` (in-process: per-request latencies)."""
     import asyncio
-    import urllib.request
 
     from splitserve import bench
 
-    cmd = [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--prefill", "1", "--decode", "1",
-           "--disagg-threshold", str(threshold)]
-    out: dict[str, Any] = {"loadavg_before": [round(x, 2) for x in os.getloadavg()], "command": " ".join(cmd[2:]),
-                           "measured": {}}
-    t_start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    flags = ["--prefill", "1", "--decode", "1", "--disagg-threshold", str(threshold)]
+    out: dict[str, Any] = {"loadavg_before": [round(x, 2) for x in os.getloadavg()],
+                           "command": " ".join(["splitserve.cli", "up", "--port", str(port), *flags]), "measured": {}}
+    cluster = Cluster(*flags, port=port, stop_s=30.0)
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if "ready" in line:
-                break
-        else:
-            raise RuntimeError("splitserve up exited before it was ready")
-        out["up_ready_s"] = round(time.perf_counter() - t_start, 1)
-        url = f"http://127.0.0.1:{port}"
-        urllib.request.urlopen(f"{url}/health", timeout=5).read()
+        out["up_ready_s"] = round(cluster.ready_s, 1)
+        url = cluster.url
         for name, jobs in cases:
             results, elapsed = asyncio.run(bench.run(url, "smollm2", jobs, 900.0, False))
             m = _latencies([(r.ttft, r.itls) for r in results if r.ok])
             out["measured"][name] = m | {"failed": sum(not r.ok for r in results), "duration_s": round(elapsed, 1)}
     finally:
-        proc.terminate()
-        proc.wait(30)
+        cluster.stop()
     out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     return out
 

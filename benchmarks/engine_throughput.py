@@ -16,6 +16,7 @@ import tempfile
 import time
 
 import torch
+from harness import finish
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -139,22 +140,21 @@ def main() -> None:
     if vllm:
         rows.append(("vllm cpu", *vllm))
 
-    print(f"model={args.model} prompts={args.num_prompts} output_len={args.output_len} dtype={args.dtype} "
-          f"threads={torch.get_num_threads()} prompt_tokens={sum(map(len, prompts))}")
-    print(f"{'system':<14}{'seconds':>10}{'tokens':>10}{'tok/s':>10}")
-    for name, secs, toks in rows:
-        print(f"{name:<14}{secs:>10.2f}{toks:>10}{toks / secs:>10.1f}")
+    lines = [f"model={args.model} prompts={args.num_prompts} output_len={args.output_len} dtype={args.dtype} "
+             f"threads={torch.get_num_threads()} prompt_tokens={sum(map(len, prompts))}",
+             f"{'system':<14}{'seconds':>10}{'tokens':>10}{'tok/s':>10}"]
+    lines += [f"{name:<14}{secs:>10.2f}{toks:>10}{toks / secs:>10.1f}" for name, secs, toks in rows]
     ours_tps = ours[1] / ours[0]
     hf_tps = hf[1] / hf[0] if hf else None
     vllm_tps = vllm[1] / vllm[0] if vllm else None
-    print(json.dumps({
+    finish("\n".join(lines), {
         "model": args.model, "num_prompts": args.num_prompts, "output_len": args.output_len, "dtype": args.dtype,
         "ours_tok_s": round(ours_tps, 2),
         "hf_tok_s": round(hf_tps, 2) if hf_tps else None,
         "ratio_vs_hf": round(ours_tps / hf_tps, 3) if hf_tps else None,
         "vllm_tok_s": round(vllm_tps, 2) if vllm_tps else None,
         "ratio_vs_vllm": round(ours_tps / vllm_tps, 3) if vllm_tps else None,
-    }))
+    })
 
 
 if __name__ == "__main__":

@@ -16,26 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-           "tie_word_embeddings": False,
-           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192}}
-QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
-                 "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
-                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-                 "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                 "max_position_embeddings": 40960, "tie_word_embeddings": False, "decoder_sparse_step": 1,
-                 "mlp_only_layers": []}
+from harness import LLAMA8B, QWEN3_30B_A3B, out_path
 
 
 def model_dir(cfg: dict) -> str:
@@ -360,10 +347,8 @@ def main() -> None:
                                      "graph_replay_ms": eng.last_graph_ms})
             print(f"decode 8B TP=2 batch {b:>3}: {step * 1e3:.2f} ms/step", flush=True)
         eng.close()
-    out = args.out or str(Path(os.environ.get("OUT", "benchmarks/results")) /
-                          f"gpu_engine_{dev.replace(' ', '_').lower()}.json")
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(res, indent=1))
+    out = out_path(f"gpu_engine_{dev.replace(' ', '_').lower()}.json", args.out)
+    out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res))
 
 

@@ -4,7 +4,7 @@ and off, and what a pool load costs against recomputing.
   replay  The multi-turn conversations of ../shared/traces/mooncake_synthetic.jsonl in a window with sharing (trace
           seconds 975.3-999.5, rows ~3800-3900; all its prefix sharing is between turns of one conversation),
           a --sample of them (0.4: 31 requests of 11 conversations), in trace order (turn order kept), arrivals
-          stretched by --time-scale. Trace slicing and prompts are benchmarks/routing.py's (imported): `splitserve
+          stretched by --time-scale. Trace slicing and prompts are routing.py's (benchmarks/harness.py): `splitserve
           bench` builds one fixed 512-token block per hash id, clipped to --max-input-len (1024: two blocks, so the
           replay fits SmolLM2's context and this CPU's time). Each configuration gets a fresh `splitserve up --mode
           colocated --decode 2 --routing kv_aware` whose workers' KV memory is --kv-fraction (a quarter) of the
@@ -43,14 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import redis
-
-# the replay's trace slicing, cluster and `splitserve bench` driving: benchmarks/routing.py (this script's folder)
-from routing import (
+from harness import (
     TRACES,
     Cluster,
-    bench,
+    bench_trace,
     conversation_key,
+    fmt,
     http_json,
+    metric_total,
+    save,
     slice_stats,
     trace_slice,
     wait_until,
@@ -61,7 +62,6 @@ from splitserve.bench import HASH_BLOCK
 from splitserve.common.model_files import resolve_model
 from splitserve.common.redis_wire import PoolNamespace
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_TTFT_P50_SPEEDUP = 2.0
 CONFIGS = ("no_pool", "pool")
 BLOCK_SIZE = 16  # the engine's default KV block size (model.blockSize)
@@ -109,17 +109,8 @@ def model_layout(model: str, dtype: str) -> PoolNamespace:
 # -- measurements ------------------------------------------------------------------------------------------
 def worker_metrics(cluster: Cluster) -> dict[str, float]:
     """METRICS summed over the workers (and over labels), from each worker's own /metrics."""
-    out = dict.fromkeys(METRICS, 0.0)
-    for w in cluster.components["decode"]:
-        with urllib.request.urlopen(w["metrics"] + "/metrics", timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith("#"):
-                    continue
-                name, _, value = line.rpartition(" ")
-                name = name.partition("{")[0]
-                if name in out:
-                    out[name] += float(value)
-    return out
+    samples = cluster.metrics("decode")
+    return {name: metric_total(samples, name) for name in METRICS}
 
 
 def redis_loopback(url: str, ns: PoolNamespace, blocks: int, per_pipeline: int, reps: int) -> dict[str, float]:
@@ -176,12 +167,11 @@ def replay_once(config: str, trace: Path, n: int, kv_bytes: int, ns: PoolNamespa
     doc.write_text("apiVersion: splitserve.dev/v1alpha1\nkind: SplitServeCluster\nmetadata: {name: kv-pool-bench}\n"
                    f"spec:\n  model: {{maxModelLen: {max_len}}}\n"
                    f"  kvPool: {{maxMemory: {args.redis_max_memory_mb}mb}}\n")
-    flags = ["-f", str(doc), "--mode", "colocated", "--decode", "2", "--routing", args.routing,
+    flags = ["--mode", "colocated", "--decode", "2", "--routing", args.routing,
              "--kv-cache-memory", str(kv_bytes), "--kv-pool" if config == "pool" else "--no-kv-pool"]
     t_start = time.monotonic()
-    cluster = Cluster(*flags)
     out: dict[str, Any] = {"config": config}
-    try:
+    with Cluster(*flags, file=doc, name=config, log_dir=workdir) as cluster:
         url = cluster.url
         if args.routing == "kv_aware":
             wait_until(lambda: http_json(url + "/health")["index"]["usable"], 60, "the KV index")
@@ -191,15 +181,13 @@ def replay_once(config: str, trace: Path, n: int, kv_bytes: int, ns: PoolNamespa
             log(f"  redis loopback: SET {out['redis_set_gbps']} GB/s, GET {out['redis_get_gbps']} GB/s")
         warm_up(url)
         before = worker_metrics(cluster)
-        summary = bench(url, trace, n, args)
+        summary = bench_trace(url, trace, n, args)
         if config == "pool":
             time.sleep(1.0)  # the write-behind queue drains (writes counted in the bandwidth)
         after = worker_metrics(cluster)
         if config == "no_pool" and args.prefill_reps:
             times = prefill_seconds(url, args.max_input_len, args.prefill_reps, args.seed + 1)
             out["prefill_ms_per_1k_tokens"] = round(statistics.median(times) / args.max_input_len * 1e6, 1)
-    finally:
-        cluster.stop()
     d = {k.removeprefix("splitserve_").removesuffix("_total"): after[k] - before[k] for k in METRICS}
     prompt, local, loaded = d["worker_prompt_tokens"], d["worker_prefix_hit_tokens"], d["kv_pool_hit_tokens"]
     out.update({
@@ -242,10 +230,8 @@ def summarize(runs: dict[str, dict], setup: dict) -> dict[str, Any]:
             "requests": setup["requests"]}
 
 
-def _f(v: Any, width: int, digits: int = 2) -> str:
-    if v is None:
-        return f"{'-':>{width}}"
-    return f"{v:>{width},}" if isinstance(v, int) else f"{v:>{width}.{digits}f}"
+COLUMNS = (("ttft_p50_s", 9, 2), ("ttft_p99_s", 9, 2), ("prompt_tokens", 9, 2), ("tokens_computed", 10, 2),
+           ("tokens_local_hit", 10, 2), ("tokens_loaded", 9, 2), ("pool_read_gbps", 10, 3), ("pool_write_gbps", 11, 3))
 
 
 def table(result: dict) -> str:
@@ -260,10 +246,8 @@ def table(result: dict) -> str:
     for c in CONFIGS:
         if c in runs:
             r = runs[c]
-            lines.append(f"{c:<9}{_f(r['ttft_p50_s'], 9)}{_f(r['ttft_p99_s'], 9)}{_f(r['prompt_tokens'], 9)}"
-                         f"{_f(r['tokens_computed'], 10)}{_f(r['tokens_local_hit'], 10)}{_f(r['tokens_loaded'], 9)}"
-                         f"{_f(r['pool_read_gbps'], 10, 3)}{_f(r['pool_write_gbps'], 11, 3)}{r['failed']:>7}"
-                         f"{_f(r['load_1m'], 6)}")
+            lines.append(f"{c:<9}" + "".join(fmt(r[k], digits, width, thousands=True) for k, width, digits in COLUMNS)
+                         + f"{r['failed']:>7}{fmt(r['load_1m'], 2, 6)}")
     lines += [f"redis loopback (redis-py, pipelined, {runs['pool']['redis_value_bytes']:,} B values): GET "
               f"{su['redis_get_gbps']} GB/s, SET {su['redis_set_gbps']} GB/s"
               if su.get("redis_get_gbps") else "redis loopback: not measured (no pool run)",
@@ -338,9 +322,7 @@ def main() -> None:
     text = table(result)
     print(text)
     if not args.no_save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"kv_pool_{args.save}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (RESULTS / f"kv_pool_{args.save}.md").write_text(report(result, text))
+        save(f"kv_pool_{args.save}", result, report(result, text))
     if args.json:
         print(json.dumps(result["summary"]))
 

@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+from harness import finish, rounded
 
 from splitserve.common.proc import ChildDied, JsonLinesChild
 
@@ -323,38 +324,32 @@ def main() -> None:
     except ChildDied as e:
         sys.exit(f"kv_transfer benchmark: {e}")
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
-    print(f"backend={args.backend} device={args.device} sender={send_dev} receiver={recv_dev} gpu={gpu} "
-          f"copy_gbps={copy_gbps and round(copy_gbps, 1)}")
-    print(f"{'case':<12}{'MB':>8}{'whole ms':>10}{'GB/s':>8}{'layerw ms':>11}{'GB/s':>8}{'tail ms':>9}"
-          f"{'layer ms':>10}{'ok':>5}")
+    text = f"backend={args.backend} device={args.device} sender={send_dev} receiver={recv_dev} gpu={gpu} " \
+           f"copy_gbps={copy_gbps and round(copy_gbps, 1)}\n" + table(cases)
+    finish(text, {"backend": args.backend, "device": args.device, "gpu": gpu, "copy_gbps": copy_gbps,
+                  "sender": send_dev, "receiver": recv_dev, "cases": [rounded(c) for c in cases]})
+
+
+def table(cases: list[dict]) -> str:
+    lines = [f"{'case':<12}{'MB':>8}{'whole ms':>10}{'GB/s':>8}{'layerw ms':>11}{'GB/s':>8}{'tail ms':>9}"
+             f"{'layer ms':>10}{'ok':>5}"]
     for c in cases:
-        print(f"{c['name']:<12}{c['bytes'] / 1e6:>8.1f}{c['whole_ms']:>10.2f}{c['whole_gbps']:>8.2f}"
-              f"{c['layerwise_ms']:>11.2f}{c['layerwise_gbps']:>8.2f}{c['tail_after_last_layer_ms']:>9.2f}"
-              f"{c['layer_transfer_ms']:>10.2f}{str(c['verified']):>5}")
+        lines.append(f"{c['name']:<12}{c['bytes'] / 1e6:>8.1f}{c['whole_ms']:>10.2f}{c['whole_gbps']:>8.2f}"
+                     f"{c['layerwise_ms']:>11.2f}{c['layerwise_gbps']:>8.2f}{c['tail_after_last_layer_ms']:>9.2f}"
+                     f"{c['layer_transfer_ms']:>10.2f}{str(c['verified']):>5}")
         if "layerwise_descs" in c:
-            print(f"{'':<12}per request: whole {c['whole_xfers']} writes / {c['whole_descs']} descriptors, "
-                  f"layer-wise {c['layerwise_xfers']} writes / {c['layerwise_descs']} descriptors / "
-                  f"{c['layerwise_notifs']} notices")
+            lines.append(f"{'':<12}per request: whole {c['whole_xfers']} writes / {c['whole_descs']} descriptors, "
+                         f"layer-wise {c['layerwise_xfers']} writes / {c['layerwise_descs']} descriptors / "
+                         f"{c['layerwise_notifs']} notices")
         for sw in c.get("chunk_sweep", ()):
-            print(f"{'':<12}chunk {sw['chunk_bytes']:>9} B: layer-wise {sw['layerwise_ms']:.2f} ms "
-                  f"{sw['layerwise_gbps']:.2f} GB/s, {sw['descs']} descriptors, ok={sw['verified']}")
+            lines.append(f"{'':<12}chunk {sw['chunk_bytes']:>9} B: layer-wise {sw['layerwise_ms']:.2f} ms "
+                         f"{sw['layerwise_gbps']:.2f} GB/s, {sw['descs']} descriptors, ok={sw['verified']}")
         for sw in c.get("layer_group_sweep", ()):
             writes = f", {sw['xfers']} writes" if "xfers" in sw else ""
-            print(f"{'':<12}layer group {sw['layer_group']:>3}: layer-wise {sw['layerwise_ms']:.2f} ms "
-                  f"{sw['layerwise_gbps']:.2f} GB/s, tail {sw['tail_after_last_layer_ms']:.2f} ms{writes}, "
-                  f"ok={sw['verified']}")
-    print(json.dumps({"backend": args.backend, "device": args.device, "gpu": gpu, "copy_gbps": copy_gbps,
-                      "sender": send_dev, "receiver": recv_dev, "cases": [_rounded(c) for c in cases]}))
-
-
-def _rounded(v):
-    if isinstance(v, float):
-        return round(v, 4)
-    if isinstance(v, dict):
-        return {k: _rounded(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_rounded(x) for x in v]
-    return v
+            lines.append(f"{'':<12}layer group {sw['layer_group']:>3}: layer-wise {sw['layerwise_ms']:.2f} ms "
+                         f"{sw['layerwise_gbps']:.2f} GB/s, tail {sw['tail_after_last_layer_ms']:.2f} ms{writes}, "
+                         f"ok={sw['verified']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -20,234 +20,76 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import random
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from harness import (
+    BIN,
+    RESULTS,
+    TRACES,
+    Cluster,
+    bench_trace,
+    fmt,
+    http_json,
+    metric_total,
+    save,
+    scrape,
+    slice_stats,
+    trace_slice,
+    wait_until,
+    warm_up,
+)
 
 from splitserve.common.proc import free_port
 from splitserve.common.redis_wire import KVEventRecord
 from splitserve.router.kv_index import KVIndex
 from splitserve.router.policy import KVAware, RequestFeatures, WorkerLoad
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-TRACES = Path(os.environ.get("SPLITSERVE_TRACES", ROOT.parent / "shared" / "traces"))
-BIN = Path(sys.executable).parent
 POLICIES = ("kv_aware", "round_robin", "least_loaded")
 GOALS = {"hit_ratio_vs_rr": 3.0, "ttft_p50_speedup_vs_rr": 2.0, "index_events_per_s": 500_000, "decision_p99_ms": 0.5}
 
 
-# -- the replay's requests -------------------------------------------------------------------------------------
-def conversation_key(row: dict, line: int) -> str:
-    """A conversation is named by its first own block (hash_ids[0] is the system prompt every request shares)."""
-    ids = row["hash_ids"]
-    return f"c{ids[1]}" if len(ids) > 1 else f"single{line}"
-
-
-def sampled(key: str, fraction: float, seed: int) -> bool:
-    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2**64
-
-
-def trace_slice(path: Path, start_s: float, window_s: float, fraction: float, min_turns: int,
-                seed: int) -> list[dict]:
-    """Rows of whole conversations (a `fraction` of them, by a stable hash) arriving in [start, start + window),
-    keeping those with at least `min_turns` turns in the window."""
-    rows = []
-    with open(path) as f:
-        for line, text in enumerate(f):
-            row = json.loads(text)
-            t = row["timestamp"] / 1000.0
-            key = conversation_key(row, line)
-            if start_s <= t < start_s + window_s and sampled(key, fraction, seed):
-                rows.append((key, row))
-    turns = Counter(key for key, _ in rows)
-    return [row for key, row in rows if turns[key] >= min_turns]
-
-
-def slice_stats(rows: list[dict], max_input: int) -> dict[str, Any]:
-    """The slice's reuse, in prompt tokens (512-token hash blocks, clipped as the replay clips them): what an
-    oracle with unbounded caches and perfect affinity could hit, and the part that is the system prompt
-    (hash id 0, in every request: every worker holds it whatever the policy)."""
-    seen: set[tuple[int, ...]] = set()
-    hit = total = system = 0
-    turns = Counter(conversation_key(r, i) for i, r in enumerate(rows))  # (single-turn rows: one each)
-    for r in rows:
-        n = min(r["input_length"], max_input)
-        ids = r["hash_ids"][: -(-n // 512)]
-        k = 0
-        while k < len(ids) and tuple(ids[: k + 1]) in seen:
-            k += 1
-        hit += min(k * 512, n - 1)
-        total += n
-        system += min(512, n - 1)
-        seen.update(tuple(ids[: i + 1]) for i in range(len(ids)))
-    return {"requests": len(rows), "conversations": len(turns),
-            "multi_turn_conversations": sum(1 for c in turns.values() if c > 1), "prompt_tokens": total,
-            "oracle_hit_rate": round(hit / total, 4), "system_prompt_share": round(system / total, 4)}
-
-
-# -- processes -------------------------------------------------------------------------------------------------
-def http_json(url: str, timeout: float = 10.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def wait_until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"timed out waiting for {what}")
-
-
-class Cluster:
-    """`splitserve up` as a child process; `components` is its `splitserve components {...}` line."""
-
-    def __init__(self, *args: str, timeout: float = 300.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.stderr: list[str] = []
-        self.proc = subprocess.Popen([str(BIN / "splitserve"), "up", "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-        self.components: dict = {}
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            m = re.match(r"splitserve components (.*)", line)
-            if m:
-                self.components = json.loads(m.group(1))
-                break
-        if not self.components:
-            self.stop()
-            raise RuntimeError("splitserve up did not start:\n" + "".join(self.stderr[-20:]))
-
-    def worker_counters(self) -> list[tuple[float, float]]:
-        """(prefix-hit tokens, prompt tokens) of each worker, from its own /metrics."""
-        out = []
-        for w in self.components["decode"]:
-            with urllib.request.urlopen(w["metrics"] + "/metrics", timeout=10) as r:
-                text = r.read().decode()
-            values = {"splitserve_worker_prefix_hit_tokens_total": 0.0, "splitserve_worker_prompt_tokens_total": 0.0}
-            for line in text.splitlines():
-                name, _, value = line.rpartition(" ")
-                if name in values:
-                    values[name] += float(value)
-            out.append((values["splitserve_worker_prefix_hit_tokens_total"],
-                        values["splitserve_worker_prompt_tokens_total"]))
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+# -- the replay ------------------------------------------------------------------------------------------------
+def worker_counters(cluster: Cluster) -> list[tuple[float, float]]:
+    """(prefix-hit tokens, prompt tokens) of each worker, from its own /metrics."""
+    return [(metric_total(m, "splitserve_worker_prefix_hit_tokens_total"),
+             metric_total(m, "splitserve_worker_prompt_tokens_total")) for m in cluster.worker_metrics("decode")]
 
 
 def gateway_hit_tokens(url: str) -> float:
     """The gateway's splitserve_router_prefix_hit_tokens_total: prompt tokens its decisions expected cached."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("splitserve_router_prefix_hit_tokens_total "):
-                return float(line.split()[-1])
-    return 0.0
-
-
-def start_process(cmd: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "w") as f:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-def bench(url: str, trace: Path, n: int, args: argparse.Namespace) -> dict:
-    cmd = [str(BIN / "splitserve"), "bench", "--url", url, "--model", "smollm2", "--trace", str(trace),
-           "--num-requests", str(n), "--time-scale", str(args.time_scale), "--max-input-len", str(args.max_input_len),
-           "--max-output-len", str(args.max_output_len), "--slo-ttft", str(args.slo_ttft), "--slo-itl", "0.5",
-           "--json", "--no-progress"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if res.returncode != 0:
-        raise RuntimeError(f"splitserve bench failed: {res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def warm_up(url: str) -> None:
-    """Two concurrent short requests (their own random tokens, no shared prefix) so first-call costs stay out."""
-    rng = random.Random(12345)
-    bodies = [json.dumps({"model": "smollm2", "prompt": [rng.randrange(1000, 30000) for _ in range(48)],
-                          "max_tokens": 2}).encode() for _ in range(2)]
-
-    def post(body: bytes) -> None:
-        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-        urllib.request.urlopen(req, timeout=300).read()
-
-    threads = [threading.Thread(target=post, args=(b,)) for b in bodies]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    return metric_total(scrape(url), "splitserve_router_prefix_hit_tokens_total")
 
 
 def replay_once(policy: str, trace: Path, n: int, args: argparse.Namespace, workdir: Path) -> dict:
     """One fresh cluster, one replay: the policy's hit rate and the bench's summary. `policy` is a splitserve
     policy, or `vllm_router` (cache_aware in front of one static gateway per worker)."""
     routing, _, weight = ("round_robin" if policy == "vllm_router" else policy).partition("@")
-    flags = []
+    doc = None
     if weight:  # kv_aware@W: router.kvAware.overlapWeight W
         doc = workdir / f"overlap-{weight}.yaml"
         doc.write_text("apiVersion: splitserve.dev/v1alpha1\nkind: SplitServeCluster\nmetadata: {name: routing-bench}\n"
                        f"spec:\n  router: {{kvAware: {{overlapWeight: {float(weight)}}}}}\n")
-        flags = ["-f", str(doc)]
-    cluster = Cluster(*flags, "--mode", "colocated", "--decode", "2", "--routing", routing,
-                      "--kv-cache-memory", args.kv_cache_memory)
-    extra: list[subprocess.Popen] = []
-    try:
+    with Cluster("--mode", "colocated", "--decode", "2", "--routing", routing, "--kv-cache-memory",
+                 args.kv_cache_memory, file=doc, name=policy, log_dir=workdir) as cluster:
         url = cluster.url
         if routing == "kv_aware":
             wait_until(lambda: http_json(url + "/health")["index"]["usable"], 60, "the KV index")
         if policy == "vllm_router":
-            url = front_with_vllm_router(cluster, args, workdir, extra)
+            url = front_with_vllm_router(cluster, args)
         warm_up(url)
-        before, expected = cluster.worker_counters(), gateway_hit_tokens(cluster.url)
-        summary = bench(url, trace, n, args)
-        after, expected = cluster.worker_counters(), gateway_hit_tokens(cluster.url) - expected
-    finally:
-        for p in reversed(extra):
-            stop_process(p)
-        cluster.stop()
+        before, expected = worker_counters(cluster), gateway_hit_tokens(cluster.url)
+        summary = bench_trace(url, trace, n, args)
+        after, expected = worker_counters(cluster), gateway_hit_tokens(cluster.url) - expected
     hit = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     prompt = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     per_worker = [int(a[1] - b[1]) for a, b in zip(after, before, strict=True)]
@@ -293,26 +135,24 @@ def strip_proxy(upstream: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def front_with_vllm_router(cluster: Cluster, args: argparse.Namespace, workdir: Path,
-                           extra: list[subprocess.Popen]) -> str:
+def front_with_vllm_router(cluster: Cluster, args: argparse.Namespace) -> str:
     """One splitserve gateway per worker (static membership from the cluster's effective config), each behind a
-    proxy that drops the fields vllm-router adds, and vllm-router's cache_aware policy over them. Returns
-    vllm-router's URL."""
+    proxy that drops the fields vllm-router adds, and vllm-router's cache_aware policy over them, all started as
+    processes of the cluster. Returns vllm-router's URL."""
     gateways = []
     for w in cluster.components["decode"]:
         port, proxy = free_port(), free_port()
-        extra.append(start_process([str(BIN / "splitserve"), "router", "--config", cluster.components["config"],
-                                    "--decode", w["grpc"], "--mode", "colocated", "--routing", "least_loaded",
-                                    "--port", str(port)], workdir / f"gateway-{w['name']}.log"))
-        extra.append(start_process([sys.executable, __file__, "--strip-proxy", f"http://127.0.0.1:{port}",
-                                    "--proxy-port", str(proxy)], workdir / f"proxy-{w['name']}.log"))
+        cluster.spawn(f"gateway-{w['name']}", [str(BIN / "splitserve"), "router", "--config",
+                                               cluster.components["config"], "--decode", w["grpc"], "--mode",
+                                               "colocated", "--routing", "least_loaded", "--port", str(port)])
+        cluster.spawn(f"proxy-{w['name']}", [sys.executable, __file__, "--strip-proxy", f"http://127.0.0.1:{port}",
+                                             "--proxy-port", str(proxy)])
         gateways.append(f"http://127.0.0.1:{proxy}")
     for g in gateways:
         wait_until(lambda g=g: http_json(g + "/health")["all_healthy"], 120, f"gateway {g}")
     port = free_port()
-    extra.append(start_process([args.vllm_router, "--worker-urls", *gateways, "--policy", "cache_aware",
-                                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                               workdir / "vllm-router.log"))
+    cluster.spawn("vllm-router", [args.vllm_router, "--worker-urls", *gateways, "--policy", "cache_aware", "--host",
+                                  "127.0.0.1", "--port", str(port), "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: urllib.request.urlopen(url + "/health", timeout=5).status == 200, 120, "vllm-router")
     return url
@@ -519,10 +359,6 @@ def run_micro(args: argparse.Namespace) -> dict:
 
 
 # -- output ----------------------------------------------------------------------------------------------------
-def _fmt(v: float | None, width: int, digits: int) -> str:
-    return f"{'-':>{width}}" if v is None else f"{v:>{width}.{digits}f}"
-
-
 def table(result: dict) -> str:
     lines = []
     if result.get("replay"):
@@ -533,9 +369,9 @@ def table(result: dict) -> str:
                   f"{'policy':<14}{'hit rate':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'tok/s':>8}{'req/s':>8}"
                   f"{'failed':>8}{'load':>7}{'runs':>6}"]
         for policy, m in result["replay"]["median"].items():
-            lines.append(f"{policy:<14}{_fmt(m['hit_rate'], 10, 3)}{_fmt(m['ttft_p50_s'], 10, 2)}"
-                         f"{_fmt(m['ttft_p99_s'], 10, 2)}{_fmt(m['output_tok_s'], 8, 2)}{_fmt(m['request_rps'], 8, 3)}"
-                         f"{m['failed']:>8}{_fmt(m['load_1m'], 7, 2)}{m['repeats']:>6}")
+            lines.append(f"{policy:<14}{fmt(m['hit_rate'], 3, 10)}{fmt(m['ttft_p50_s'], 2, 10)}"
+                         f"{fmt(m['ttft_p99_s'], 2, 10)}{fmt(m['output_tok_s'], 2, 8)}{fmt(m['request_rps'], 3, 8)}"
+                         f"{m['failed']:>8}{fmt(m['load_1m'], 2, 7)}{m['repeats']:>6}")
     if result.get("micro"):
         m = result["micro"]
         lines += [f"index: {m['blocks']} blocks over {m['workers']} workers (~{m['index_memory_mb']} MiB)",
@@ -659,9 +495,7 @@ def main() -> None:
     text = table(result)
     print(text)
     if args.save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"routing_{args.save}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (RESULTS / f"routing_{args.save}.md").write_text(report(result, text))
+        save(f"routing_{args.save}", result, report(result, text))
     if args.json:
         print(json.dumps(result["summary"]))
 

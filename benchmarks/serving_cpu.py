@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routing import BIN, RESULTS, TRACES, Cluster, http_json, wait_until  # noqa: E402
+from harness import TRACES, Cluster, run_bench, save
 
 MODES = {"disagg": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--disagg-threshold", "128"],
          "colocated": ["--mode", "colocated", "--decode", "2"]}
@@ -31,7 +30,7 @@ KEYS = ("completed", "failed", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99
 
 
 def workloads(args: argparse.Namespace) -> dict[str, list[str]]:
-    slo = ["--slo-ttft", "3", "--slo-itl", "0.5", "--json", "--no-progress"]
+    slo = ["--slo-ttft", "3", "--slo-itl", "0.5"]
     return {
         "poisson": ["--rate", str(args.rate), "--num-requests", str(args.requests), "--input-len", "384",
                     "--output-len", "32", "--seed", "1", *slo],
@@ -40,27 +39,13 @@ def workloads(args: argparse.Namespace) -> dict[str, list[str]]:
     }
 
 
-def bench(url: str, flags: list[str]) -> dict[str, Any]:
-    import subprocess
-
-    res = subprocess.run([str(BIN / "splitserve"), "bench", "--url", url, "--model", "smollm2", *flags],
-                         capture_output=True, text=True, timeout=1800)
-    if res.returncode != 0:
-        raise RuntimeError(f"splitserve bench failed: {res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for mode, flags in MODES.items():
         for name, wl in workloads(args).items():
-            cluster = Cluster(*flags, "--kv-transport", args.kv_transport)
-            try:
-                wait_until(lambda c=cluster: http_json(c.url + "/health")["all_healthy"], 120, "workers")
+            with Cluster(*flags, "--kv-transport", args.kv_transport, name=f"{mode}-{name}") as cluster:
                 load = os.getloadavg()[0]
-                summary = bench(cluster.url, wl)
-            finally:
-                cluster.stop()
+                summary = run_bench(cluster.url, *wl)
             out[f"{mode}/{name}"] = {**{k: summary.get(k) for k in KEYS}, "load_1m_before": round(load, 2)}
             print(f"{mode}/{name}: ttft p50 {summary['ttft_p50_s']} s", file=sys.stderr, flush=True)
     return out
@@ -110,9 +95,7 @@ def main() -> None:
     result = {"runs": runs, "baseline": base, "baseline_file": str(args.baseline) if args.baseline else None,
               "cpus": os.cpu_count(), "duration_s": round(time.time() - started, 1)}
     if args.save:
-        (RESULTS / f"serving_{args.save}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (RESULTS / f"serving_{args.save}.md").write_text(
-            f"# benchmarks/serving_cpu.py ({args.save})\n\n```\n{text}\n```\n")
+        save(f"serving_{args.save}", result, f"# benchmarks/serving_cpu.py ({args.save})\n\n```\n{text}\n```\n")
     if args.json:
         print(json.dumps(result))
 

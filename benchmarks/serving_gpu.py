@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import functools
 import json
 import os
@@ -39,193 +38,26 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from splitserve.common.proc import free_port
+from harness import (
+    CHILD_ENV,
+    RESULTS,
+    ROOT,
+    SHAPES,
+    STAGE_METRICS,
+    TRACES,
+    PlacedCluster,
+    fmt,
+    handover,
+    model_dir,
+    random_prompts,
+    replay_at_rate,
+    sequential,
+    stage_means_ms,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
-TRACE_FILES = {"azure_conv": "azure_conv_2023.csv", "azure_code": "azure_code_2023.csv"}
-
-SHAPES = {
-    "llama8b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-                "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-                "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-                "max_position_embeddings": 131072, "tie_word_embeddings": False, "eos_token_id": 128001,
-                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
-    "qwen3_30b_a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
-                      "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                      "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
-                      "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-                      "decoder_sparse_step": 1, "mlp_only_layers": [], "eos_token_id": 151645},
-    # the CPU dry run: small enough for a 2-core machine, with 2 KV heads so TP=2 splits them
-    "tiny": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512,
-             "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
-             "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-             "max_position_embeddings": 4096, "tie_word_embeddings": False, "decoder_sparse_step": 1,
-             "mlp_only_layers": [], "eos_token_id": 0},
-}
 CONFIGS = {"1p1d": (1, 1), "1p3d": (1, 3), "2p2d": (2, 2)}  # (prefill workers, decode workers), one GPU each
-CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-             "PYTHONUNBUFFERED": "1"}
-START_S = 900.0  # seconds for a cluster to become ready (imports, dummy weights, CUDA graphs)
-# the handover's stage histograms, per worker role (docs/architecture.md, "The handover, stage by stage")
-STAGE_METRICS = {"decode": "splitserve_handover_stage_seconds", "prefill": "splitserve_prefill_stage_seconds"}
-
-
-def model_dir(shape: str, root: Path) -> Path:
-    """config.json of the shape and a word-level tokenizer of its vocabulary size."""
-    d = root / shape
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = SHAPES[shape]
-    (d / "config.json").write_text(json.dumps(cfg))
-    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
-    tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-           "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
-           "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}}
-    (d / "tokenizer.json").write_text(json.dumps(tok))
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{cfg['eos_token_id']}"}))
-    return d
-
-
-class Cluster:
-    """A gateway and workers as processes. `workers`: (role, GPU ids, extra flags) per worker."""
-
-    def __init__(self, args, model: Path, mode: str, workers: list[tuple[str, list[int], list[str]]],
-                 log_dir: Path, name: str) -> None:
-        self.args, self.model, self.mode, self.name = args, model, mode, name
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_dir = log_dir
-        exe = str(Path(sys.executable).parent / "splitserve")
-        common = ["--model", str(model), "--served-model-name", args.shape, "--max-model-len", str(args.max_model_len)]
-        planned = [(role, gpus, extra, free_port(), free_port()) for role, gpus, extra in workers]
-        prefill = [f"127.0.0.1:{p}" for role, _, _, p, _ in planned if role == "prefill"]
-        self.metrics_urls = [f"http://127.0.0.1:{m}" for role, _, _, _, m in planned if role != "prefill"]
-        self.prefill_metrics_urls = [f"http://127.0.0.1:{m}" for role, _, _, _, m in planned if role == "prefill"]
-        decode = [f"127.0.0.1:{p}" for role, _, _, p, _ in planned if role != "prefill"]
-        for i, (role, gpus, extra, port, mport) in enumerate(planned):
-            cmd = [exe, "worker", "--role", role, *common, "--load-format", "dummy", "--device", args.device,
-                   "--port", str(port), "--metrics-port", str(mport), "--kv-transport", args.kv_transport,
-                   "--tensor-parallel-size", str(max(1, len(gpus))), *extra]
-            if role == "decode":
-                cmd += ["--prefill-peers", ",".join(prefill), "--disagg-threshold", str(args.disagg_threshold)]
-            env = dict(os.environ, **CHILD_ENV)
-            if args.device == "cuda":
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-            self._spawn(f"{role}-{i}", cmd, env)
-        self._spawn("router", [exe, "router", *common, "--mode", mode, "--port", str(self.port),
-                               "--decode", ",".join(decode), "--prefill", ",".join(prefill)] +
-                    (["--max-inflight", "1024"]), dict(os.environ, **CHILD_ENV))
-
-    def _spawn(self, name: str, cmd: list[str], env: dict) -> None:
-        log = open(self.log_dir / f"{self.name}-{name}.log", "w")
-        self.procs.append((name, subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                                  start_new_session=True)))
-
-    def wait_ready(self) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < START_S:
-            for name, p in self.procs:
-                if p.poll() is not None:
-                    tail = (self.log_dir / f"{self.name}-{name}.log").read_text()[-3000:]
-                    raise RuntimeError(f"{self.name}: {name} exited with {p.returncode}:\n{tail}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if json.loads(r.read()).get("all_healthy"):
-                        return time.monotonic() - t0
-            except (OSError, ValueError):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"{self.name}: not ready in {START_S:.0f} s")
-
-    def counters(self) -> dict[str, float]:
-        """Where the decode workers' prompts were prefilled: remote (ok / failed) and local (by reason)."""
-        return _scrape(self.metrics_urls, ("splitserve_remote_prefill_total", "splitserve_local_prefill_total"))
-
-    def stage_totals(self) -> dict[str, float]:
-        """The handover's stage histograms' counts and sums, decode and prefill workers summed."""
-        return _scrape(self.metrics_urls + self.prefill_metrics_urls,
-                       tuple(f"{name}_{part}" for name in STAGE_METRICS.values() for part in ("count", "sum")))
-
-    def kv_transports(self) -> list[str]:
-        """What each worker's KV agent chose ("kv transport: nixl ..." in its log): auto falls back to tcp."""
-        found = []
-        for name, _ in self.procs:
-            for line in (self.log_dir / f"{self.name}-{name}.log").read_text(errors="replace").splitlines():
-                if "kv transport:" in line:
-                    chosen = line.split("kv transport:", 1)[1].strip().rstrip('"}')  # the log line is JSON
-                    found.append(f"{name}: {chosen}")
-                    break
-        return found
-
-    def stop(self) -> None:
-        for _, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for _, p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
-
-    def __enter__(self) -> Cluster:
-        try:
-            ready_s = self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        print(f"[{self.name}] ready in {ready_s:.0f} s", file=sys.stderr, flush=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def _scrape(urls: list[str], prefixes: tuple[str, ...]) -> dict[str, float]:
-    """The samples of /metrics whose name starts with one of `prefixes`, {'name{labels}': value} summed over
-    `urls`."""
-    out: dict[str, float] = {}
-    for url in urls:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith(prefixes):
-                    key, _, value = line.rpartition(" ")
-                    out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-def stage_means_ms(before: dict[str, float], after: dict[str, float], early: bool | None = None) -> dict:
-    """Mean milliseconds per stage between two `Cluster.stage_totals`, per role, in the workers' stage order;
-    `rpc_hops`: the prefill call's span on the decode worker less the prefill worker's stages (the gRPC round
-    trip). The span is its `prefill` stage, and with `early` (the call out before the reservation, the default
-    unless SPLITSERVE_PREFILL_EARLY=0) its `reserve` and `ticket` stages too."""
-    if early is None:
-        early = os.environ.get("SPLITSERVE_PREFILL_EARLY", "1") != "0"
-    out: dict = {}
-    for role, name in STAGE_METRICS.items():
-        stages = {}
-        for key, count in after.items():
-            if key.startswith(f"{name}_count{{"):
-                stage = key.split('stage="', 1)[1].split('"', 1)[0]
-                n = count - before.get(key, 0.0)
-                total = after[key.replace("_count{", "_sum{")] - before.get(key.replace("_count{", "_sum{"), 0.0)
-                stages[stage] = round(1e3 * total / n, 3) if n else None
-        out[role] = stages
-    dec, pre = out["decode"], out["prefill"]
-    firsts = f'{STAGE_METRICS["decode"]}_count{{stage="first_token"}}'
-    out["requests"] = int(after.get(firsts, 0.0) - before.get(firsts, 0.0))
-    if dec.get("prefill") is not None and pre and None not in pre.values():
-        span = dec["prefill"] + (dec["reserve"] + dec["ticket"] if early else 0.0)
-        out["rpc_hops"] = round(span - sum(pre.values()), 3)
-    return out
 
 
 def worker_args(args, role: str) -> list[str]:
@@ -234,10 +66,6 @@ def worker_args(args, role: str) -> list[str]:
     budget = {"prefill": args.prefill_budget, "decode": args.decode_budget, "both": args.colocated_budget}[role]
     return ["--max-num-batched-tokens", str(budget), "--max-num-seqs", str(args.max_num_seqs),
             "--kv-cache-memory", args.kv_cache_memory]
-
-
-def gpu_groups(n: int, per: int = 1) -> list[list[int]]:
-    return [list(range(i * per, (i + 1) * per)) for i in range(n)]
 
 
 # -- parts ---------------------------------------------------------------------------------------------------
@@ -255,64 +83,6 @@ def part_transfer(args) -> dict:
     return {"transfer_gbps": case["layerwise_gbps"], "transfer_whole_gbps": case["whole_gbps"],
             "p2p_copy_gbps": res["copy_gbps"], "transfer_tail_ms": case["tail_after_last_layer_ms"],
             "transfer_layer_ms": case["layer_transfer_ms"], "transfer_cases": res["cases"]}
-
-
-async def _sequential(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list:
-    import httpx
-
-    from splitserve.bench import Job, one
-
-    async with httpx.AsyncClient(timeout=600) as client:
-        return [await one(client, url, model, Job(0.0, p, max_tokens)) for p in prompts]
-
-
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
-
-
-def handover(url: str, args) -> dict:
-    """One request at a time on an idle cluster (fresh prompts: no prefix hits): TTFT and inter-token latency."""
-    vocab = SHAPES[args.shape]["vocab_size"]
-    prompts = _prompts(args.handover_requests, args.handover_len, vocab, 2)
-    res = asyncio.run(_sequential(url, args.shape, prompts, args.handover_output))
-    ok = [r for r in res if r.ok]
-    if not ok:
-        raise RuntimeError(f"handover: every request failed: {res[0].error}")
-    # the decode step as the client sees it: (last token - first token) / (tokens - 1), per request
-    steps = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {"ttft_ms": statistics.median(r.ttft for r in ok) * 1e3, "itl_ms": statistics.median(steps) * 1e3,
-            "ttft_all_ms": [round(r.ttft * 1e3, 2) for r in ok]}
-
-
-def _trace_scale(trace_dir: Path, trace: str, n: int, rate: float) -> float:
-    """--time-scale that replays the trace's first n requests at `rate` requests/s on average."""
-    with open(trace_dir / TRACE_FILES[trace]) as f:
-        rows = [float(r["arrived_at"]) for _, r in zip(range(n), csv.DictReader(f), strict=False)]
-    span = rows[-1] - rows[0]
-    return (n - 1) / rate / span if span > 0 else 1.0
-
-
-def bench(args, url: str, trace: str, rate: float, seed: int = 0, duration: float | None = None) -> dict:
-    """One `splitserve bench` run. `seed` picks the prompts' token ids: each run on a cluster takes its own, so a
-    repeated rate meets a cold prefix cache as the first did (every mode runs the same seeds in the same order)."""
-    seconds = args.duration if duration is None else duration
-    n = max(8, int(rate * seconds))
-    cmd = [str(Path(sys.executable).parent / "splitserve"), "bench", "--url", url, "--model", args.shape,
-           "--trace", str(args.trace_dir / TRACE_FILES[trace]), "--num-requests", str(n),
-           "--time-scale", f"{_trace_scale(args.trace_dir, trace, n, rate):.6f}",
-           "--max-input-len", str(args.max_input_len),
-           "--max-output-len", str(args.max_output_len), "--slo-ttft", str(args.slo_ttft),
-           "--slo-itl", str(args.slo_itl), "--vocab-low", "1", "--vocab-high",
-           str(SHAPES[args.shape]["vocab_size"]), "--seed", str(seed), "--json", "--no-progress", "--timeout", "300"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 4 + 600)
-    if out.returncode != 0:
-        raise RuntimeError(f"bench failed: {out.stderr[-2000:]}")
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    res["offered_rps"] = rate
-    return res
 
 
 def part_serving(args, model: Path, logs: Path, want_handover: bool, want_goodput: bool) -> dict:
@@ -368,11 +138,11 @@ def part_serving(args, model: Path, logs: Path, want_handover: bool, want_goodpu
 def _measure_cluster(args, model: Path, logs: Path, key: str, mode: str, workers: list, res: dict,
                      want_handover: bool, rates: dict[str, list[float]], after_run) -> None:
     """One cluster: warm-up, then the handover (if asked), then each trace at each offered rate, into `res`."""
-    with Cluster(args, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
+    with PlacedCluster(args, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
                  f"{key}-{mode}") as c:
         # warm-up past the disaggregation threshold: connections, NIXL handshakes, kernels' first runs
-        warm = _prompts(2, args.disagg_threshold + 256, SHAPES[args.shape]["vocab_size"], 3)
-        asyncio.run(_sequential(c.url, args.shape, warm, 4))
+        warm = random_prompts(2, args.disagg_threshold + 256, SHAPES[args.shape]["vocab_size"], 3)
+        asyncio.run(sequential(c.url, args.shape, warm, 4))
         res["kv_transports"] = c.kv_transports()
         if want_handover:
             before = c.stage_totals() if mode == "disagg" else None
@@ -385,14 +155,14 @@ def _measure_cluster(args, model: Path, logs: Path, key: str, mode: str, workers
             if args.warmup_duration > 0:  # the first pass of a trace's lengths builds kernels: measured twice, the
                 # second run of a rate served 1.2-2.6x the first on 4x H200, in both modes, with other prompts
                 try:
-                    bench(args, c.url, trace, max(trace_rates), seed=1000, duration=args.warmup_duration)
+                    replay_at_rate(args, c.url, trace, max(trace_rates), seed=1000, duration=args.warmup_duration)
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     print(f"[{key} {mode} {trace}] warm-up failed: {e}", file=sys.stderr, flush=True)
             for rate in trace_rates:
                 before = c.counters()
                 runs_here += 1
                 try:
-                    r = bench(args, c.url, trace, rate, seed=runs_here)
+                    r = replay_at_rate(args, c.url, trace, rate, seed=runs_here)
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     print(f"[{key} {mode} {trace} @{rate}] failed: {e}", file=sys.stderr, flush=True)
                     res.setdefault(trace, []).append({"offered_rps": rate, "error": str(e)[-500:]})
@@ -442,10 +212,10 @@ def part_burst(args, model: Path, logs: Path) -> dict:
     flags = worker_args(args, "prefill")
     for mode, workers in (("disagg", [("prefill", [0], flags), ("decode", [1], worker_args(args, "decode"))]),
                           ("colocated", [("both", [0], flags)])):
-        with Cluster(args, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
+        with PlacedCluster(args, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
                      f"burst-{mode}") as c:
-            asyncio.run(_sequential(c.url, args.shape, _prompts(2, args.burst_len, vocab, 6), 2))
-            burst = _prompts(args.burst_requests, args.burst_len, vocab, 7)
+            asyncio.run(sequential(c.url, args.shape, random_prompts(2, args.burst_len, vocab, 6), 2))
+            burst = random_prompts(args.burst_requests, args.burst_len, vocab, 7)
             res = asyncio.run(_concurrent(c.url, args.shape, burst, 2))
         ok = [(t, r) for t, r in res if r.ok]
         t0 = min(t for t, _ in res)
@@ -491,15 +261,15 @@ def part_moe(args, logs: Path) -> dict:
                  "output_tokens": args.moe_output, "prefill_gpus": pre_gpu, "decode_gpus": dec_gpus,
                  "colocated_gpus": dec_gpus, "prefill_shares_gpu0_with_decode_rank0": shared,
                  "kv_cache_memory": {"prefill": pre_kv, "decode_per_rank": dec_kv, "colocated_per_rank": dec_kv}}
-    prompts = _prompts(args.moe_batch, args.moe_input, SHAPES[shape]["vocab_size"], 4)
+    prompts = random_prompts(args.moe_batch, args.moe_input, SHAPES[shape]["vocab_size"], 4)
     for mode, workers in (("disagg", [("prefill", pre_gpu, seqs + ["--kv-cache-memory", pre_kv,
                                                                    "--max-num-batched-tokens", "8192"]),
                                       ("decode", dec_gpus, seqs + ["--kv-cache-memory", dec_kv] + ep)]),
                           ("colocated", [("both", dec_gpus, seqs + ["--kv-cache-memory", dec_kv] + ep)])):
         sub.disagg_threshold = min(args.disagg_threshold, args.moe_input)
-        with Cluster(sub, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
+        with PlacedCluster(sub, model, "disaggregated" if mode == "disagg" else "colocated", workers, logs,
                      f"moe-{mode}") as c:
-            asyncio.run(_sequential(c.url, shape, _prompts(2, args.moe_input, SHAPES[shape]["vocab_size"], 5), 4))
+            asyncio.run(sequential(c.url, shape, random_prompts(2, args.moe_input, SHAPES[shape]["vocab_size"], 5), 4))
             before, stages_before = c.counters(), c.stage_totals()
             res = asyncio.run(_concurrent(c.url, shape, prompts, args.moe_output))
             after, stages_after = c.counters(), c.stage_totals()
@@ -690,7 +460,7 @@ def main() -> None:
     result["wall_s"] = round(time.monotonic() - t0, 1)
 
     tag = args.tag or (f"{(gpu or 'cpu').split()[-1].lower()}x{args.gpus}")
-    path = Path(args.out or ROOT / "benchmarks" / "results" / f"serving_gpu_{tag}.json")
+    path = Path(args.out or RESULTS / f"serving_gpu_{tag}.json")
     if args.update:
         old = json.loads(Path(args.update).read_text())
         for k, v in result.items():
@@ -705,22 +475,18 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def _f(x, d=2) -> str:
-    return "-" if x is None else f"{x:.{d}f}"
-
-
 def print_stages(title: str, stages: dict | None) -> None:
     """Mean ms per stage, one line per role, in the workers' stage order."""
     if not stages:
         return
     print(f"{title} (mean ms over {stages.get('requests', 0):.0f} remote prefills):")
     for role in STAGE_METRICS:
-        print(f"  {role:<8}" + "  ".join(f"{k} {_f(v, 3)}" for k, v in (stages.get(role) or {}).items()))
-    print(f"  rpc hops {_f(stages.get('rpc_hops'), 3)} (decode's prefill stage less the prefill worker's stages)")
+        print(f"  {role:<8}" + "  ".join(f"{k} {fmt(v, 3)}" for k, v in (stages.get(role) or {}).items()))
+    print(f"  rpc hops {fmt(stages.get('rpc_hops'), 3)} (decode's prefill stage less the prefill worker's stages)")
 
 
 def print_table(r: dict) -> None:
-    f = _f
+    f = fmt
 
     print(f"gpu={r.get('gpu')} x{r.get('gpus')} shape={r.get('shape')}")
     print(f"transfer {f(r.get('transfer_gbps'))} GB/s layer-wise (whole {f(r.get('transfer_whole_gbps'))}) vs "

@@ -12,122 +12,28 @@ Prints a table and ends with one JSON line; `--save NAME` writes benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routing import BIN, RESULTS, http_json, wait_until  # noqa: E402
+from harness import ROOT, Cluster, bench_poisson, finish, markdown_table, ratio, report, save
 
-from splitserve.common.proc import free_port  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "deploy" / "examples" / "local-cpu.yaml"
 KEYS = ("completed", "failed", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "output_tok_s")
-
-
-def tree(pid: int) -> set[int]:
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        out.add(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return out
-
-
-def pss_bytes(pids: set[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-        except (OSError, ValueError):
-            pass
-    return total
-
-
-class Substrate:
-    """One substrate's command as a child process in its own session (our SIGTERM reaches it alone)."""
-
-    def __init__(self, name: str, args: list[str], timeout: float = 300.0) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_memory_monitor_refresh_ms="0")
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen([str(BIN / "splitserve"), *args, "-f", str(CLUSTER), "--port", str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True)
-        self.stderr: list[str] = []
-        lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-        threading.Thread(target=lambda: ([lines.put(x) for x in self.proc.stdout], lines.put(None)),
-                         daemon=True).start()
-        deadline = t0 + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if line is None or "splitserve ready" in line:
-                break
-        else:
-            line = None
-        if not line:
-            self.stop()
-            raise RuntimeError(f"{name} did not start:\n" + "".join(self.stderr[-20:]))
-        wait_until(lambda: http_json(self.url + "/health")["all_healthy"], 120, "workers")
-        self.ready_s = time.monotonic() - t0
-
-    def pss(self) -> int:
-        return pss_bytes(tree(self.proc.pid))
-
-    def stop(self) -> float:
-        t0 = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return time.monotonic() - t0
-
-
-def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    res = subprocess.run([str(BIN / "splitserve"), "bench", "--url", url, "--model", "smollm2", "--rate",
-                          str(args.rate), "--num-requests", str(args.requests), "--input-len", str(args.input_len),
-                          "--output-len", str(args.output_len), "--seed", "1", "--json", "--no-progress"],
-                         capture_output=True, text=True, timeout=1800)
-    if res.returncode != 0:
-        raise RuntimeError(f"splitserve bench failed: {res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-SUBSTRATES = {"up": ["up"], "ray": ["serve-ray", "--num-cpus", str(os.cpu_count() or 2)]}
+SUBSTRATES = {"up": ("up", []), "ray": ("serve-ray", ["--num-cpus", str(os.cpu_count() or 2)])}
 
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    for name, cmd in SUBSTRATES.items():
-        s = Substrate(name, [*cmd, "--kv-transport", args.kv_transport])
+    for name, (command, flags) in SUBSTRATES.items():
+        s = Cluster(*flags, "--kv-transport", args.kv_transport, command=command, file=CLUSTER, name=name,
+                    env={"RAY_memory_monitor_refresh_ms": "0"}, timeout=420)
         try:
             time.sleep(3)  # settle: the idle tree, not the start
             idle = s.pss()
             load = os.getloadavg()[0]
-            summary = bench(s.url, args)
+            summary = bench_poisson(s.url, args)
             busy = s.pss()
         finally:
             stop_s = s.stop()
@@ -141,11 +47,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     up, ray = runs["up"], runs["ray"]
-
-    def ratio(key: str) -> float | None:
-        return round(ray[key] / up[key], 3) if up.get(key) and ray.get(key) is not None else None
-
-    out = {"ttft_p50_ratio": ratio("ttft_p50_s"), "itl_p50_ratio": ratio("itl_p50_s"),
+    out = {"ttft_p50_ratio": ratio(ray, up, "ttft_p50_s"), "itl_p50_ratio": ratio(ray, up, "itl_p50_s"),
            "memory_overhead_gb": round(ray["pss_idle_gb"] - up["pss_idle_gb"], 3)}
     out["within_10pct"] = all(r is not None and r <= 1.10 for r in (out["ttft_p50_ratio"], out["itl_p50_ratio"]))
     return out
@@ -154,10 +56,7 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def table(runs: dict[str, dict[str, Any]], cmp: dict[str, Any]) -> str:
     cols = ("completed", "failed", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "output_tok_s", "ready_s",
             "stop_s", "pss_idle_gb", "pss_after_gb", "loadavg_at_start")
-    rows = ["| substrate | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
-    for name, r in runs.items():
-        rows.append(f"| {name} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:g}" if isinstance(r[c], float)
-                                               else str(r[c]) for c in cols) + " |")
+    rows = markdown_table("substrate", runs, cols)
     rows.append("")
     rows.append(f"ray/up: TTFT p50 x{cmp['ttft_p50_ratio']}, ITL p50 x{cmp['itl_p50_ratio']} (target <= 1.10: "
                 f"{'met' if cmp['within_10pct'] else 'missed'}); memory overhead {cmp['memory_overhead_gb']:+.2f} GB "
@@ -178,19 +77,15 @@ def main() -> None:
     runs = run(args)
     cmp = compare(runs)
     text = table(runs, cmp)
-    print(text)
     result = {"cluster": str(CLUSTER.relative_to(ROOT)), "workload": {"requests": args.requests, "rate": args.rate,
               "input_len": args.input_len, "output_len": args.output_len, "kv_transport": args.kv_transport},
               "cpus": os.cpu_count(), "runs": runs, **cmp}
     if args.save:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"serving_ray_{args.save}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (RESULTS / f"serving_ray_{args.save}.md").write_text(
-            f"# `splitserve up` against `serve-ray`, {CLUSTER.name}, this machine\n\n"
-            f"`python benchmarks/serving_ray.py --save {args.save}` ({args.requests} requests, Poisson "
-            f"{args.rate}/s, {args.input_len} in / {args.output_len} out, kv {args.kv_transport})\n\n{text}\n\n"
-            + json.dumps(result) + "\n")
-    print(json.dumps(result))
+        save(f"serving_ray_{args.save}", result, report(
+            f"`splitserve up` against `serve-ray`, {CLUSTER.name}, this machine",
+            f"`python benchmarks/serving_ray.py --save {args.save}` ({args.requests} requests, Poisson {args.rate}/s, "
+            f"{args.input_len} in / {args.output_len} out, kv {args.kv_transport})", text, result))
+    finish(text, result)
 
 
 if __name__ == "__main__":

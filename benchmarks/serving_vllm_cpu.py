@@ -17,11 +17,7 @@ Prints a table and ends with one JSON line; `--save NAME` writes benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import queue
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,88 +25,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routing import BIN, RESULTS, http_json, wait_until  # noqa: E402
-from serving_ray import bench, pss_bytes, tree  # noqa: E402
+from harness import (
+    Cluster,
+    bench_poisson,
+    finish,
+    kill_leftovers,
+    markdown_table,
+    process_tree,
+    pss_bytes,
+    ratio,
+    report,
+    run_bench,
+    save,
+    snapshot,
+)
 
-from splitserve.common.proc import free_port  # noqa: E402
+from splitserve.common.proc import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("completed", "failed", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "output_tok_s")
 OVERRIDES = {"engine": "vllm", "mode": "colocated", "decode.replicas": 1}  # what `up`'s flags below set
 UP_ARGS = ["up", "--engine", "vllm", "--mode", "colocated", "--decode", "1"]
-BASE_ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
-def _kill_pids(pids: set[int]) -> list[int]:
-    """SIGKILL those of `pids` (a tree we started, taken before stopping it) still alive; the ones it killed."""
-    left = []
-    for pid in sorted(pids):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            left.append(pid)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return left
-
-
-class Gateway:
-    """`splitserve up --engine vllm ...` as a child in its own session: ready at its `splitserve ready` line and
-    once the gateway reports every worker healthy."""
-
-    name = "gateway"
-
-    def __init__(self, timeout: float) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen([str(BIN / "splitserve"), *UP_ARGS, "--port", str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=BASE_ENV,
-                                     start_new_session=True)
-        self.stderr: list[str] = []
-        lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
-        threading.Thread(target=lambda: ([lines.put(x) for x in self.proc.stdout], lines.put(None)),
-                         daemon=True).start()
-        deadline = t0 + timeout
-        line: str | None = None
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if line is None or "splitserve ready" in line:
-                break
-        if not line:
-            self.stop()
-            raise RuntimeError("gateway did not start:\n" + self.log_tail())
-        try:
-            wait_until(lambda: http_json(self.url + "/health")["all_healthy"], 120, "workers")
-        except RuntimeError:
-            self.stop()
-            raise
-        self.ready_s = time.monotonic() - t0
-
-    def log_tail(self) -> str:
-        return "".join(self.stderr[-30:])
-
-    def pids(self) -> set[int]:
-        return tree(self.proc.pid)
-
-    def stop(self) -> tuple[float, list[int]]:
-        """Seconds to stop; pids of its tree that had to be killed afterwards (none when it stops cleanly)."""
-        t0 = time.monotonic()
-        before = self.pids()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        elapsed = time.monotonic() - t0
-        time.sleep(1.0)
-        return elapsed, _kill_pids(before - {self.proc.pid})
+def gateway(timeout: float) -> Cluster:
+    """`splitserve up --engine vllm ...`: ready at its `splitserve ready` line, every worker healthy."""
+    return Cluster(*UP_ARGS[1:], timeout=timeout, name="gateway")
 
 
 class Vllm:
@@ -124,6 +63,7 @@ class Vllm:
         from splitserve.common.model_files import resolve_model
         from splitserve.vllm_engine.server import VllmPorts, VllmServer, VllmStartError, command, environment
 
+        self.left_behind: list[int] = []
         spec = load(None, OVERRIDES, {}).spec
         ports = VllmPorts(free_port(), free_port(), free_port())
         self.url = f"http://127.0.0.1:{ports.http}"
@@ -145,16 +85,18 @@ class Vllm:
         return "".join(Path(self.log.name).read_text(errors="replace").splitlines(keepends=True)[-30:])
 
     def pids(self) -> set[int]:
-        return tree(self.proc.pid)
+        return process_tree(self.proc.pid)
 
-    def stop(self) -> tuple[float, list[int]]:
+    def stop(self) -> float:
+        """Seconds to stop; `left_behind`: the pids of its tree killed after it stopped (none when it stops
+        cleanly)."""
         t0 = time.monotonic()
-        before = self.pids()
+        tree = snapshot(self.pids())
         self.server.stop(30.0)
         elapsed = time.monotonic() - t0
-        time.sleep(1.0)
+        self.left_behind = kill_leftovers(tree)
         self.log.close()
-        return elapsed, _kill_pids(before - {self.proc.pid})
+        return elapsed
 
 
 class LoadSampler:
@@ -183,15 +125,11 @@ def warm(url: str, args: argparse.Namespace) -> None:
     """`args.warmup` requests one at a time, of the run's lengths but other prompts (bench's seed is 1: the same
     prompts would turn the run's first requests into prefix-cache hits)."""
     for i in range(args.warmup):
-        res = subprocess.run([str(BIN / "splitserve"), "bench", "--url", url, "--model", "smollm2", "--rate", "0",
-                              "--num-requests", "1", "--input-len", str(args.input_len), "--output-len",
-                              str(args.output_len), "--seed", str(1000 + i), "--json", "--no-progress"],
-                             capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            raise RuntimeError(f"warm-up request failed: {res.stderr[-2000:]}")
+        run_bench(url, "--rate", "0", "--num-requests", "1", "--input-len", str(args.input_len), "--output-len",
+                  str(args.output_len), "--seed", str(1000 + i), timeout=600)
 
 
-SUBJECTS = {"gateway": Gateway, "vllm": Vllm}
+SUBJECTS = {"gateway": gateway, "vllm": Vllm}
 
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -206,13 +144,14 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             if args.warmup:  # its first request pays one-off costs (first kernels, first allocations)
                 warm(s.url, args)
             sampler = LoadSampler()
-            summary = bench(s.url, args)
+            summary = bench_poisson(s.url, args)
             load = sampler.done()
         except BaseException:
             print(f"{name} failed; its log's tail:\n{s.log_tail()}", file=sys.stderr, flush=True)
             raise
         finally:
-            stop_s, killed = s.stop()
+            stop_s = s.stop()
+        killed = s.left_behind
         if killed:
             print(f"{name}: killed {len(killed)} process(es) left after stopping: {killed}", file=sys.stderr)
         out[name] = {**{k: summary.get(k) for k in KEYS}, "ready_s": round(s.ready_s, 1), "stop_s": round(stop_s, 1),
@@ -226,11 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     gw, vl = runs["gateway"], runs["vllm"]
-
-    def ratio(key: str) -> float | None:
-        return round(gw[key] / vl[key], 3) if vl.get(key) and gw.get(key) is not None else None
-
-    out = {"ttft_p50_ratio": ratio("ttft_p50_s"), "itl_p50_ratio": ratio("itl_p50_s"),
+    out = {"ttft_p50_ratio": ratio(gw, vl, "ttft_p50_s"), "itl_p50_ratio": ratio(gw, vl, "itl_p50_s"),
            "ttft_p50_added_ms": None if gw.get("ttft_p50_s") is None or vl.get("ttft_p50_s") is None
            else round((gw["ttft_p50_s"] - vl["ttft_p50_s"]) * 1000, 1),
            "ready_added_s": round(gw["ready_s"] - vl["ready_s"], 1),
@@ -242,10 +177,7 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def table(runs: dict[str, dict[str, Any]], cmp: dict[str, Any]) -> str:
     cols = ("completed", "failed", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "output_tok_s",
             "ready_s", "stop_s", "pss_idle_gb", "loadavg_start", "loadavg_max")
-    rows = ["| server | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
-    for name, r in runs.items():
-        rows.append(f"| {name} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:g}" if isinstance(r[c], float)
-                                               else str(r[c]) for c in cols) + " |")
+    rows = markdown_table("server", runs, cols)
     rows.append("")
     rows.append(f"gateway/vllm: TTFT p50 x{cmp['ttft_p50_ratio']} ({cmp['ttft_p50_added_ms']:+} ms), ITL p50 "
                 f"x{cmp['itl_p50_ratio']} (target <= 1.05: {'met' if cmp['within_5pct'] else 'missed'}); ready "
@@ -272,21 +204,18 @@ def main() -> None:
     runs = {k: runs[k] for k in ("gateway", "vllm")}
     cmp = compare(runs)
     text = table(runs, cmp)
-    print(text)
     result = {"command": " ".join(["splitserve", *UP_ARGS]), "workload": {
               "requests": args.requests, "rate": args.rate, "input_len": args.input_len,
               "output_len": args.output_len, "warmup": args.warmup, "order": args.order},
               "cpus": os.cpu_count(), "runs": runs, **cmp}
     if args.save:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"serving_vllm_cpu_{args.save}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (RESULTS / f"serving_vllm_cpu_{args.save}.md").write_text(
-            f"# Our gateway in front of vLLM against vLLM's own server, CPU, this machine\n\n"
+        save(f"serving_vllm_cpu_{args.save}", result, report(
+            "Our gateway in front of vLLM against vLLM's own server, CPU, this machine",
             f"`python benchmarks/serving_vllm_cpu.py --save {args.save}` ({args.requests} requests, Poisson "
             f"{args.rate}/s, {args.input_len} in / {args.output_len} out, {args.warmup} warm-up, "
             f"{args.order.replace(',', ' then ')}); gateway: `{result['command']}`; vllm: the same vLLM command "
-            f"line and environment our worker uses (role both), alone\n\n{text}\n\n" + json.dumps(result) + "\n")
-    print(json.dumps(result))
+            f"line and environment our worker uses (role both), alone", text, result))
+    finish(text, result)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_gpu import SHAPES, TRACE_FILES, TRACES, Cluster, bench, handover, model_dir, stage_means_ms  # noqa: E402
+from harness import SHAPES, TRACE_FILES, TRACES, handover, model_dir, stage_means_ms
+from harness import PlacedCluster as Cluster
+from harness import replay_at_rate as bench
 
 
 def vllm_server_url(worker_pid: int) -> str | None:

@@ -20,19 +20,15 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from harness import BIN, Cluster, finish, http_json, report, save, scrape, wait_until
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routing import BIN, RESULTS, http_json, wait_until  # noqa: E402
-
-from splitserve.common.proc import free_port  # noqa: E402
+from splitserve.common.proc import free_port
 
 WORDS = "the a river stone light city garden machine story quiet ocean winter letter bridge market song".split()
 
@@ -121,24 +117,15 @@ def one_request(client: httpx.Client, url: str, rng: random.Random, tally: Tally
         tally.add("lost", f"{type(e).__name__}: {e}")
 
 
-class Cluster:
+class SoakCluster(Cluster):
+    """`splitserve up` with colocated workers over its own Redis (kv_aware routing, the KV pool), whose workers
+    this benchmark kills and replaces."""
+
     def __init__(self, workers: int, kv_pool: bool = True) -> None:
-        self.port = free_port()
-        self.proc = subprocess.Popen([str(BIN / "splitserve"), "up", "--mode", "colocated", "--decode", str(workers),
-                                      "--routing", "kv_aware", *(["--kv-pool"] if kv_pool else []),
-                                      "--port", str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.components: dict[str, Any] = {}
-        for line in self.proc.stdout:
-            if line.startswith("splitserve components "):
-                self.components = json.loads(line.split(" ", 2)[2])
-                break
-        if not self.components:
-            raise RuntimeError("splitserve up did not start")
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-        self.extra: list[subprocess.Popen] = []
+        super().__init__("--mode", "colocated", "--decode", str(workers), "--routing", "kv_aware",
+                         *(["--kv-pool"] if kv_pool else []), name="soak")
         self.killed: set[int] = set()
+        self.replacements: list[tuple[str, int]] = []  # (gRPC address, pid) of the workers started here
 
     def workers(self) -> list[dict]:
         return http_json(self.url + "/health")["workers"]
@@ -151,17 +138,15 @@ class Cluster:
         if len(own) == 1:
             workers = [w for w in workers if w["endpoint"] not in own]
         victim = max(workers, key=lambda w: w["outstanding"])
-        pid = next((c["pid"] for c in self.components["decode"] if c["grpc"] == victim["endpoint"]), None)
-        if pid is None:
-            pid = next(p.pid for p in self.extra if f"127.0.0.1:{p.args[p.args.index('--port') + 1]}" ==
-                       victim["endpoint"])
+        pids = {c["grpc"]: c["pid"] for c in self.components["decode"]} | dict(self.replacements)
+        pid = pids[victim["endpoint"]]
         os.kill(pid, signal.SIGKILL)
         self.killed.add(pid)
         port, mport = free_port(), free_port()
-        self.extra.append(subprocess.Popen(
-            [str(BIN / "splitserve"), "worker", "--config", self.components["config"], "--role", "both", "--name",
-             f"soak-{n}", "--port", str(port), "--metrics-port", str(mport), "--host", "127.0.0.1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        proc = self.spawn(f"soak-{n}", [str(BIN / "splitserve"), "worker", "--config", self.components["config"],
+                                        "--role", "both", "--name", f"soak-{n}", "--port", str(port),
+                                        "--metrics-port", str(mport), "--host", "127.0.0.1"])
+        self.replacements.append((f"127.0.0.1:{port}", proc.pid))
         return victim["name"]
 
     def long_lived(self) -> dict[str, int]:
@@ -170,29 +155,15 @@ class Cluster:
             out[c["name"]] = c["pid"]
         return out
 
-    def stop(self) -> None:
-        for p in self.extra:
-            p.send_signal(signal.SIGTERM)
-        self.proc.send_signal(signal.SIGTERM)
-        for p in [*self.extra, self.proc]:
-            try:
-                p.wait(120)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
 
 def moves(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("splitserve_router_migrations_total{"):
-            key, _, value = line.rpartition(" ")
-            out[key[len("splitserve_router_migrations_total"):]] = float(value)
-    return out
+    """The gateway's moves so far, by their labels ('{reason="...",outcome="..."}')."""
+    name = "splitserve_router_migrations_total"
+    return {key[len(name):]: value for key, value in scrape(url, (name + "{",)).items()}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    cluster = Cluster(args.workers, kv_pool=not args.no_kv_pool)
+    cluster = SoakCluster(args.workers, kv_pool=not args.no_kv_pool)
     tally = Tally()
     stop = threading.Event()
     try:
@@ -235,12 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(3.0)  # idle: the last aborts and frees land
         rss_end = {name: rss_bytes(pid) for name, pid in long_lived.items()}
         fds_end = {name: open_fds(pid) for name, pid in long_lived.items()}
-        held = {}
-        for c in cluster.components["decode"]:
-            try:
-                held[c["name"]] = http_json(c["metrics"] + "/stats")["kv_blocks_used"]
-            except (OSError, ValueError):
-                pass  # a killed worker
+        held = {name: stats["kv_blocks_used"] for name, stats in cluster.stats("decode").items()}  # (not the killed)
         processes = {}
         for name in rss_warm:
             if rss_warm[name] and rss_end.get(name):
@@ -290,16 +256,12 @@ def main() -> None:
     result = run(args)
     result["goal_met"] = result["lost"] == 0 and (result["max_rss_growth_pct"] or 0) < 5.0
     text = table(result)
-    print(text)
     if args.save:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"soak_{args.save}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (RESULTS / f"soak_{args.save}.md").write_text(
-            f"# Soak: mixed traffic, client cancels and worker kills, this machine ({os.cpu_count()} cores)\n\n"
+        save(f"soak_{args.save}", result, report(
+            f"Soak: mixed traffic, client cancels and worker kills, this machine ({os.cpu_count()} cores)",
             f"`python benchmarks/soak.py --save {args.save}` (duration {args.duration:g} s, warm-up {args.warmup:g} s, "
-            f"a kill every {args.kill_every:g} s, {args.workers} workers, {args.clients} clients)\n\n{text}\n\n"
-            + json.dumps(result) + "\n")
-    print(json.dumps(result))
+            f"a kill every {args.kill_every:g} s, {args.workers} workers, {args.clients} clients)", text, result))
+    finish(text, result)
 
 
 if __name__ == "__main__":

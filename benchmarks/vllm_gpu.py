@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine import LLAMA8B  # noqa: E402  (one definition of the measured shape)
+from harness import LLAMA8B, out_path  # the shape gpu_engine.py measures
 
 
 def _prompts(n: int, length: int, seed: int) -> list[dict]:
@@ -36,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--native", default="", help="gpu_engine.py results from the same host, shown beside")
     ap.add_argument("--offline-prompts", type=int, default=256)
-    ap.add_argument("--out", default="benchmarks/results/engine_vllm_gpu.json")
+    ap.add_argument("--out", default="", help="result file (default: benchmarks/results/engine_vllm_gpu.json)")
     args = ap.parse_args()
 
     import torch
@@ -92,8 +88,7 @@ def main() -> None:
     print(f"\n| {res['device']} | vLLM {res['vllm_version']} | native | vLLM / native |\n| --- | --- | --- | --- |")
     for name, v, n in rows:
         print(f"| {name} | {v:.2f} | {n if n is None else f'{n:.2f}'} | {'' if not n else f'{v / n:.2f}x'} |")
-    out = Path(os.environ.get("OUT", ""), Path(args.out).name) if os.environ.get("OUT") else Path(args.out)
-    out.write_text(json.dumps(res, indent=1))
+    out_path("engine_vllm_gpu.json", args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res))
 
 

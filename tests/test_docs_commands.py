@@ -91,15 +91,16 @@ def check_benchmark_script(argv: list[str]) -> None:
         parsed.append(original(self, args, namespace))
         raise ACCEPTED
 
-    saved = sys.argv
+    saved = sys.argv, sys.path
     argparse.ArgumentParser.parse_args = parse_and_stop  # type: ignore[method-assign]
     sys.argv = [str(script), *argv[2:]]
+    sys.path = [str(script.parent), *sys.path]  # as `python X.py` has it: the script's folder first (its harness)
     try:
         with pytest.raises(SystemExit) as stopped:
             runpy.run_path(str(script), run_name="__main__")
     finally:
         argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
-        sys.argv = saved
+        sys.argv, sys.path = saved
     assert stopped.value is ACCEPTED and parsed, f"{' '.join(argv)}: its arguments were refused"
 
 

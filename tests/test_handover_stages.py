@@ -168,16 +168,17 @@ def test_stage_series_stay_on_their_roles(disagg):
     assert not any(k.startswith(("splitserve_prefill_stage", "splitserve_handover_stage")) for k in gateway)
 
 
-def load_serving_gpu():
-    spec = importlib.util.spec_from_file_location("serving_gpu", ROOT / "benchmarks" / "serving_gpu.py")
+def load_harness():
+    spec = importlib.util.spec_from_file_location("harness", ROOT / "benchmarks" / "harness.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_benchmark_stage_means_from_two_scrapes():
-    """benchmarks/serving_gpu.py's handover_stages_ms: per-stage means between two scrapes, and the RPC's rest."""
-    sg = load_serving_gpu()
+    """benchmarks/serving_gpu.py's handover_stages_ms (the harness's stage_means_ms): per-stage means between two
+    scrapes, and the RPC's rest."""
+    sg = load_harness()
 
     def totals(n: float, total_ms: float) -> dict[str, float]:
         """A scrape where each stage was observed n times, stage i for (i + 1) * total_ms in all."""
