@@ -9,6 +9,7 @@ import asyncio
 import logging
 
 from splitserve.common.config import ClusterSpec
+from splitserve.common.worker_client import GrpcWorkerClient
 from splitserve.common.worker_context import WorkerContext
 from splitserve.decode_worker.metrics import (
     HANDOVER_STAGE,
@@ -18,7 +19,7 @@ from splitserve.decode_worker.metrics import (
 )
 from splitserve.decode_worker.service import DecodeService
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.interface import ServingEngine
+from splitserve.engine.interface import DecodeHandover, ServingEngine
 from splitserve.kv_transfer import metrics as kv_metrics
 from splitserve.kv_transfer.handover import NativeDecodeHandover
 from splitserve.kv_transfer.pool import KVPool, PooledEngine, make_pool
@@ -32,25 +33,28 @@ async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> D
         from splitserve.vllm_engine.handover import VllmDecodeHandover
 
         _label_series(with_handover=True)
-        return DecodeService(engine, VllmDecodeHandover(engine), ctx.membership, spec.decode.disagg_threshold,
-                             spec.kv_transfer.timeout_seconds)
+        return _service(spec, engine, VllmDecodeHandover(engine), ctx)
     # one agent per tensor-parallel rank, each over its own KV shard, composed on this rank (rank 0)
     agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "decode")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
     kv_metrics.BYTES.labels("recv", agent.backend.name)
     _label_series(with_handover=True)
     pool = make_pool(spec, engine, ctx, "decode")
-    return DecodeService(_serving(engine, pool), NativeDecodeHandover(engine, agent), ctx.membership,
-                         spec.decode.disagg_threshold, spec.kv_transfer.timeout_seconds, _owned(pool))
+    return _service(spec, _serving(engine, pool), NativeDecodeHandover(engine, agent), ctx, pool)
 
 
 async def build_colocated(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeService:
     if spec.engine_of("both") == "vllm":
-        return DecodeService(engine, None, ctx.membership, spec.decode.disagg_threshold,
-                             spec.kv_transfer.timeout_seconds)
+        return _service(spec, engine, None, ctx)
     pool = make_pool(spec, engine, ctx, "decode")
-    return DecodeService(_serving(engine, pool), None, ctx.membership, spec.decode.disagg_threshold,
-                         spec.kv_transfer.timeout_seconds, _owned(pool))
+    return _service(spec, _serving(engine, pool), None, ctx, pool)
+
+
+def _service(spec: ClusterSpec, engine: ServingEngine, handover: DecodeHandover | None, ctx: WorkerContext,
+             pool: KVPool | None = None) -> DecodeService:
+    """The service over its prefill peers in membership, each called over gRPC; it closes the pool."""
+    return DecodeService(engine, handover, ctx.membership, GrpcWorkerClient, spec.decode.disagg_threshold,
+                         spec.kv_transfer.timeout_seconds, [] if pool is None else [pool])
 
 
 def _label_series(with_handover: bool) -> None:
@@ -63,7 +67,3 @@ def _label_series(with_handover: bool) -> None:
 
 def _serving(engine: AsyncEngine, pool: KVPool | None) -> ServingEngine:
     return engine if pool is None else PooledEngine(engine, pool)
-
-
-def _owned(pool: KVPool | None) -> list[KVPool]:
-    return [] if pool is None else [pool]

@@ -1,4 +1,4 @@
-"""The Generate RPC on a decode worker: reserve room for the uncached part of the prompt's KV (the handover's
+"""Generate on a decode worker: reserve room for the uncached part of the prompt's KV (the handover's
 opaque ticket), have the named prefill worker compute it and put its KV there, then decode from the first token
 it returns. Where reserving takes time (`DecodeHandover.overlap_reserve`), the prefill call goes out first and the
 ticket follows it: the prefill worker computes while this worker reserves.
@@ -20,24 +20,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
-import grpc
-
 from splitserve.common.membership import Membership
-from splitserve.common.protocol import splitserve_pb2 as pb
-from splitserve.common.protocol.convert import (
-    ProtocolError,
-    check_request,
-    check_resume,
-    logprob_to_pb,
-    params_from_pb,
-)
 from splitserve.common.tasks import TaskOwner, settle
-from splitserve.common.worker_client import (
-    GrpcWorkerClient,
+from splitserve.common.worker_messages import (
+    GenerateCall,
+    GenerateChunk,
+    InvalidRequest,
     PrefillCall,
     PrefillReply,
+    RetryReason,
     WorkerCallError,
     WorkerClient,
+    check_prompt,
 )
 from splitserve.common.worker_metrics import PREFIX_HIT_TOKENS, PROMPT_TOKENS, WORKER_REQUESTS
 from splitserve.decode_worker.metrics import LOCAL_PREFILL, REMOTE_PREFILL, HandoverTimeline
@@ -55,11 +49,12 @@ class DecodeService:
     """Generate on a decode worker (a handover and prefill peers) or a colocated one (none: always local).
 
     `engine.generate` prefills locally (the native assembly passes one that loads from the KV pool first);
-    `resources` are closed with the service (the KV pool)."""
+    `connect` makes the client of the prefill worker at an endpoint; `resources` are closed with the service
+    (the KV pool)."""
 
     def __init__(self, engine: ServingEngine, handover: DecodeHandover | None, membership: Membership,
-                 threshold: int = 512, transfer_timeout: float = 30.0, resources: Sequence[Closeable] = (),
-                 connect: Callable[[str], WorkerClient] = GrpcWorkerClient) -> None:
+                 connect: Callable[[str], WorkerClient], threshold: int = 512, transfer_timeout: float = 30.0,
+                 resources: Sequence[Closeable] = ()) -> None:
         self.role = "decode" if handover is not None else "both"
         self.engine = engine
         self.handover = handover
@@ -67,7 +62,7 @@ class DecodeService:
         self.threshold = threshold
         self.transfer_timeout = transfer_timeout
         self.resources = list(resources)
-        self.connect = connect  # endpoint -> a client of the prefill worker there
+        self.connect = connect
         self._peers: dict[str, WorkerClient] = {}  # endpoint -> client
         self._warned: set[str] = set()
         self._tasks = TaskOwner("decode")
@@ -88,38 +83,36 @@ class DecodeService:
     def _has_peers(self) -> bool:
         return self.handover is not None and any(w.role == "prefill" for w in self.membership.workers())
 
-    async def generate(self, req: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
+        """The request's chunks; raises `InvalidRequest` when it does not fit the model."""
         received = time.monotonic()
         facts = self.engine.facts
-        peer = None
         try:
-            check_request(req.protocol_version, req.request_id, req.prompt_token_ids, facts.vocab_size,
-                          facts.max_model_len)
-            check_resume(req.prompt_token_ids, req.resume_token_ids, facts.vocab_size, facts.max_model_len)
-            params = params_from_pb(req.params)
-            if req.prefill_worker and self.handover is not None:
-                peer = self._peer(req.prefill_worker)
-                if peer is None:  # not (or not yet, or no longer) a peer: never an address from a client
-                    LOCAL_PREFILL.labels("unknown_prefill_worker").inc()
-        except ProtocolError as e:
+            check_prompt(call.prompt_token_ids, call.resume_token_ids, facts.vocab_size, facts.max_model_len)
+        except InvalidRequest:
             WORKER_REQUESTS.labels("generate", "invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
+        peer = None
+        if call.prefill_worker and self.handover is not None:
+            peer = self._peer(call.prefill_worker)
+            if peer is None:  # not (or not yet, or no longer) a peer: never an address from a client
+                LOCAL_PREFILL.labels("unknown_prefill_worker").inc()
         # a moved request continues after the output it produced elsewhere: the engine sees it as context
-        resumed = len(req.resume_token_ids)
-        prompt = list(req.prompt_token_ids) + list(req.resume_token_ids)
-        rid = req.request_id
+        resumed = len(call.resume_token_ids)
+        prompt = list(call.prompt_token_ids) + list(call.resume_token_ids)
+        rid, params = call.request_id, call.params
         stream: AsyncIterator[RequestOutput] | None = None
         remote = False
         timeline: HandoverTimeline | None = None  # a remote prefill that succeeded, until its first decode
         if peer is not None and len(prompt) >= self.threshold:
             timeline = HandoverTimeline(received)
-            stream, remote = await self._remote(rid, prompt, params, req.priority, peer, timeline)
+            stream, remote = await self._remote(rid, prompt, params, call.priority, peer, timeline)
             if not remote:
                 timeline = None
-        elif peer is not None or (self._has_peers() and not req.prefill_worker):
+        elif peer is not None or (self._has_peers() and not call.prefill_worker):
             LOCAL_PREFILL.labels("short_prompt" if peer is not None else "no_prefill_worker").inc()
         if stream is None:
-            stream = self.engine.generate(rid, prompt, params, req.priority)
+            stream = self.engine.generate(rid, prompt, params, call.priority)
         first = True
         async for out in stream:
             if first:
@@ -134,7 +127,7 @@ class DecodeService:
             if out.finished:  # counted before the last message: the caller may hang up once it has it
                 WORKER_REQUESTS.labels("generate", "ok" if out.finish_reason in ("stop", "length") else
                                        out.finish_reason or "error").inc()
-            yield _to_pb(out, remote, resumed)
+            yield self._chunk(out, remote, resumed)
 
     async def _remote(self, rid, prompt, params, priority, peer,
                       timeline: HandoverTimeline) -> tuple[AsyncIterator[RequestOutput] | None, bool]:
@@ -234,6 +227,19 @@ class DecodeService:
 
         return relabel()
 
+    def _chunk(self, out: RequestOutput, remote: bool, resumed: int) -> GenerateChunk:
+        """Usage as the request sees it: the `resumed` tokens it produced elsewhere count as output, not prompt.
+        A request that failed may move to another worker when the engine says so, or when it has stopped."""
+        prompt_tokens = max(0, out.num_prompt_tokens - resumed)
+        retry = out.retry if out.finish_reason == "error" else None
+        if out.finished and out.finish_reason in ("error", "abort") and self.engine.dead:
+            retry = RetryReason.ENGINE  # this worker can no longer run it; another one can
+        return GenerateChunk(
+            out.request_id, out.new_token_ids, out.new_logprobs, out.finished, out.finish_reason or "",
+            "" if out.stop_reason is None else str(out.stop_reason), prompt_tokens,
+            min(out.num_cached_tokens + out.num_loaded_tokens, prompt_tokens), out.num_output_tokens + resumed,
+            out.error or "", remote, retry)
+
     async def close(self) -> None:
         await self._tasks.close()
         for resource in self.resources:
@@ -242,17 +248,3 @@ class DecodeService:
             await client.close()
         if self.handover is not None:
             await self.handover.close()
-
-
-def _to_pb(out: RequestOutput, remote: bool, resumed: int = 0) -> pb.GenerateResponse:
-    """Usage as the request sees it: the `resumed` tokens it produced elsewhere count as output, not prompt."""
-    prompt_tokens = max(0, out.num_prompt_tokens - resumed)
-    return pb.GenerateResponse(
-        request_id=out.request_id, token_ids=out.new_token_ids,
-        logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs], finished=out.finished,
-        finish_reason=out.finish_reason or "", stop_reason="" if out.stop_reason is None else str(out.stop_reason),
-        prompt_tokens=prompt_tokens,
-        cached_tokens=min(out.num_cached_tokens + out.num_loaded_tokens, prompt_tokens),
-        completion_tokens=out.num_output_tokens + resumed, error=out.error or "", remote_prefill=remote,
-        retry="engine" if out.retryable and out.finish_reason == "error" else "",
-    )

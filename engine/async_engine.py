@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from splitserve.common.protocol import RequestIdInUse
 from splitserve.common.sampling import Logprob, SamplingParams
+from splitserve.common.worker_messages import RequestIdInUse
 from splitserve.engine.interface import KVEventListener
 from splitserve.engine.layer_hooks import KVLayerHook
 from splitserve.engine.llm_engine import LLMEngine

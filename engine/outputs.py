@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitserve.common.sampling import Logprob
+from splitserve.common.worker_messages import RetryReason
 
 
 @dataclass
@@ -20,4 +21,4 @@ class RequestOutput:
     num_loaded_tokens: int = 0  # prompt tokens loaded from the KV pool
     num_output_tokens: int = 0
     error: str | None = None
-    retryable: bool = False  # with finish_reason error: the engine, not the request, failed (another worker may go on)
+    retry: RetryReason | None = None  # with finish_reason error: another worker may go on with it, and why

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from splitserve.common.protocol import RequestIdInUse
+from splitserve.common.worker_messages import RequestIdInUse
 from splitserve.engine.block_pool import BlockPool, KVCacheEvent
 from splitserve.engine.config import CacheConfig, SchedulerConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager

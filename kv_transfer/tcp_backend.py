@@ -19,6 +19,7 @@ import socket
 import struct
 import threading
 import zlib
+from dataclasses import dataclass
 
 import torch
 
@@ -92,84 +93,18 @@ class TcpBackend:
             threading.Thread(target=self._serve, args=(conn,), name="kv-tcp-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        agent = self._agent
-        layout: KVLayout = agent.layout
-        seen: dict[str, int] = {}  # request -> sender rank this connection carried: fails if it drops mid-stream
-        staging = torch.empty(0, dtype=torch.uint8, pin_memory=layout.is_cuda)
-        writing = None  # the request whose frame is being written (counted by the agent until it ends)
+        """One sender's connection, frame after frame until it closes; a frame that fails a check drops it."""
+        frames = _FrameReader(conn, self._agent)
         try:
-            while True:
-                try:
-                    head = _recv_exact(conn, HEADER.size)
-                except ConnectionError:
-                    break
-                (magic, kind, final, kv, src, rid_len, num_src, head_off, head_count, layer, num_runs, payload,
-                 crc) = HEADER.unpack(head)
-                if magic != MAGIC or kind not in (KIND_DATA, KIND_ABORT) or not 0 < rid_len <= 256:
-                    raise FrameError(f"bad frame header {head[:8]!r}")
-                try:
-                    rid = _recv_exact(conn, rid_len).decode()
-                except UnicodeDecodeError:
-                    raise FrameError("request id is not UTF-8") from None
-                ticket = agent.begin_write(rid)
-                if ticket is None:
-                    raise FrameError(f"frame for unknown or finished request {rid!r}")
-                writing = rid
-                seen[rid] = src
-                if kind == KIND_ABORT:
-                    agent.fail(rid, TransferError(f"{rid}: sender aborted"))
-                    writing = None
-                    agent.end_write(rid)
-                    continue
-                if layer >= ticket.num_layers or kv > 1 or num_runs > MAX_RUNS or final > 1 or \
-                        num_src < 1 or head_count < 1 or head_off + head_count > layout.num_heads:
-                    raise FrameError(f"{rid}: frame fields out of range (layer={layer}, kv={kv}, heads "
-                                     f"{head_off}+{head_count}, {num_src} senders)")
-                raw = _recv_exact(conn, num_runs * RUN.size)
-                runs = [RUN.unpack_from(raw, i * RUN.size) for i in range(num_runs)]
-                allowed = set(ticket.block_ids[ticket.skip_blocks:])
-                total = 0
-                for start, n in runs:
-                    if n == 0 or any(b not in allowed for b in range(start, start + n)):
-                        raise FrameError(f"{rid}: frame writes blocks outside its ticket")
-                    total += n
-                whole = head_count == layout.num_heads  # the frame's blocks are contiguous in our tensor
-                bb = layout.block_size * head_count * layout.head_bytes  # bytes of one block of the frame
-                if payload != total * bb:
-                    raise FrameError(f"{rid}: payload {payload} bytes, runs need {total * bb}")
-                dest = layout.byte_view(layer, kv)
-                heads = layout.heads_view(layer, kv, head_off, head_count)
-                check = 0
-                for start, n in runs:
-                    size = n * bb
-                    if whole and not layout.is_cuda:
-                        view = memoryview(dest[start * bb : start * bb + size].numpy())
-                        _recv_into(conn, view)
-                    else:
-                        if staging.numel() < size:
-                            staging = torch.empty(size, dtype=torch.uint8, pin_memory=layout.is_cuda)
-                        view = memoryview(staging[:size].numpy())
-                        _recv_into(conn, view)
-                        part = staging[:size].view(heads.dtype).view(n, *heads.shape[1:])
-                        heads[start : start + n].copy_(part)  # [n, block_size, head_count, head_dim]
-                    check = zlib.crc32(view, check)
-                if check != crc:
-                    agent.fail(rid, TransferError(f"{rid}: checksum mismatch on layer {layer}"))
-                    raise FrameError(f"{rid}: checksum mismatch")
-                agent.landed(rid, layer, (kv,), bool(final), payload, src, num_src)
-                writing = None
-                agent.end_write(rid)
+            while (frame := frames.next_header()) is not None:
+                frames.receive(frame)
         except (FrameError, OSError, ConnectionError) as e:
             log.warning("kv tcp: dropping connection: %s", e)
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
-            if writing is not None:  # a frame cut short: nothing more of it is written
-                agent.end_write(writing)
-            for rid, src in seen.items():
-                if agent.lookup(rid) is not None and not agent.sender_done(rid, src):
-                    agent.fail(rid, TransferError(f"{rid}: sender disconnected before the transfer completed"))
+            frames.close()
 
     # -- sender ------------------------------------------------------------------------------------
     def open_channel(self, ticket: TransferTicket, route: Route) -> TcpChannel:
@@ -185,6 +120,130 @@ class TcpBackend:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """A frame's header and request id, as read (checked against a ticket by `_FrameReader`)."""
+
+    rid: str
+    kind: int  # KIND_DATA | KIND_ABORT
+    final: int
+    kv: int  # 0 K, 1 V
+    src: int  # the sender's rank
+    num_src: int  # senders routed to this receiver
+    head_off: int  # first head, within the receiver's shard
+    head_count: int
+    layer: int
+    num_runs: int
+    payload: int  # bytes
+    crc: int  # crc32 of the payload
+
+
+class _FrameReader:
+    """The receiving end of one sender's connection: reads each frame, checks every field against its request's
+    ticket before reading a byte of payload, and writes the payload into the ticket's blocks."""
+
+    def __init__(self, conn: socket.socket, agent) -> None:
+        self.conn = conn
+        self.agent = agent
+        self.layout: KVLayout = agent.layout
+        self.seen: dict[str, int] = {}  # request -> sender rank carried here: it fails if this drops mid-stream
+        self.staging = torch.empty(0, dtype=torch.uint8, pin_memory=self.layout.is_cuda)
+        self.writing: str | None = None  # whose frame is being written (the agent counts it until it ends)
+
+    def next_header(self) -> _Frame | None:
+        """The next frame's header and request id; None once the sender closed the connection."""
+        try:
+            head = _recv_exact(self.conn, HEADER.size)
+        except ConnectionError:
+            return None
+        (magic, kind, final, kv, src, rid_len, num_src, head_off, head_count, layer, num_runs, payload,
+         crc) = HEADER.unpack(head)
+        if magic != MAGIC or kind not in (KIND_DATA, KIND_ABORT) or not 0 < rid_len <= 256:
+            raise FrameError(f"bad frame header {head[:8]!r}")
+        try:
+            rid = _recv_exact(self.conn, rid_len).decode()
+        except UnicodeDecodeError:
+            raise FrameError("request id is not UTF-8") from None
+        return _Frame(rid, kind, final, kv, src, num_src, head_off, head_count, layer, num_runs, payload, crc)
+
+    def receive(self, f: _Frame) -> None:
+        """The rest of one frame: an abort fails its request; data lands in its blocks, or the connection drops."""
+        ticket = self.agent.begin_write(f.rid)
+        if ticket is None:
+            raise FrameError(f"frame for unknown or finished request {f.rid!r}")
+        self.writing = f.rid
+        self.seen[f.rid] = f.src
+        if f.kind == KIND_ABORT:
+            self.agent.fail(f.rid, TransferError(f"{f.rid}: sender aborted"))
+        else:
+            self._check_fields(f, ticket)
+            runs = self._read_runs(f, ticket)
+            self._write_payload(f, runs)
+            self.agent.landed(f.rid, f.layer, (f.kv,), bool(f.final), f.payload, f.src, f.num_src)
+        self.writing = None
+        self.agent.end_write(f.rid)
+
+    def _check_fields(self, f: _Frame, ticket: TransferTicket) -> None:
+        if f.layer >= ticket.num_layers or f.kv > 1 or f.num_runs > MAX_RUNS or f.final > 1 or \
+                f.num_src < 1 or f.head_count < 1 or f.head_off + f.head_count > self.layout.num_heads:
+            raise FrameError(f"{f.rid}: frame fields out of range (layer={f.layer}, kv={f.kv}, heads "
+                             f"{f.head_off}+{f.head_count}, {f.num_src} senders)")
+
+    def _read_runs(self, f: _Frame, ticket: TransferTicket) -> list[tuple[int, int]]:
+        """The frame's (destination block, count) runs: inside its ticket, and adding up to its payload."""
+        raw = _recv_exact(self.conn, f.num_runs * RUN.size)
+        runs = [RUN.unpack_from(raw, i * RUN.size) for i in range(f.num_runs)]
+        allowed = set(ticket.block_ids[ticket.skip_blocks:])
+        total = 0
+        for start, n in runs:
+            if n == 0 or any(b not in allowed for b in range(start, start + n)):
+                raise FrameError(f"{f.rid}: frame writes blocks outside its ticket")
+            total += n
+        need = total * self._block_bytes(f)
+        if f.payload != need:
+            raise FrameError(f"{f.rid}: payload {f.payload} bytes, runs need {need}")
+        return runs
+
+    def _block_bytes(self, f: _Frame) -> int:
+        """Bytes of one block of the frame (its heads only)."""
+        return self.layout.block_size * f.head_count * self.layout.head_bytes
+
+    def _write_payload(self, f: _Frame, runs: list[tuple[int, int]]) -> None:
+        """Each run's blocks straight into the KV tensor (CPU, the frame covers every head this shard holds),
+        else through the staging buffer; then the checksum, which fails the request when it does not match."""
+        layout = self.layout
+        whole = f.head_count == layout.num_heads  # the frame's blocks are contiguous in our tensor
+        bb = self._block_bytes(f)
+        dest = layout.byte_view(f.layer, f.kv)
+        heads = layout.heads_view(f.layer, f.kv, f.head_off, f.head_count)
+        check = 0
+        for start, n in runs:
+            size = n * bb
+            if whole and not layout.is_cuda:
+                view = memoryview(dest[start * bb : start * bb + size].numpy())
+                _recv_into(self.conn, view)
+            else:
+                if self.staging.numel() < size:
+                    self.staging = torch.empty(size, dtype=torch.uint8, pin_memory=layout.is_cuda)
+                view = memoryview(self.staging[:size].numpy())
+                _recv_into(self.conn, view)
+                part = self.staging[:size].view(heads.dtype).view(n, *heads.shape[1:])
+                heads[start : start + n].copy_(part)  # [n, block_size, head_count, head_dim]
+            check = zlib.crc32(view, check)
+        if check != f.crc:
+            self.agent.fail(f.rid, TransferError(f"{f.rid}: checksum mismatch on layer {f.layer}"))
+            raise FrameError(f"{f.rid}: checksum mismatch")
+
+    def close(self) -> None:
+        """The connection ended: a frame cut short writes nothing more, and a request whose sender left before
+        it finished fails."""
+        if self.writing is not None:
+            self.agent.end_write(self.writing)
+        for rid, src in self.seen.items():
+            if self.agent.lookup(rid) is not None and not self.agent.sender_done(rid, src):
+                self.agent.fail(rid, TransferError(f"{rid}: sender disconnected before the transfer completed"))
 
 
 class TcpChannel:

@@ -25,13 +25,13 @@ from splitserve.common.membership import Membership
 from splitserve.common.model_files import max_positions, resolve_model
 from splitserve.common.sampling import Logprob
 from splitserve.common.text import IncrementalDetokenizer, Tokenizer
-from splitserve.common.worker_client import GenerateCall, TokenStream, WorkerCallError
+from splitserve.common.worker_messages import GenerateCall, RetryReason, TokenStream, WorkerCallError
 from splitserve.router import metrics as m
 from splitserve.router.cluster import ClusterState
 from splitserve.router.errors import APIError, bad
 from splitserve.router.openai_protocol import GenerationSpec
-from splitserve.router.policy import Charge, RequestFeatures, RoutingPolicy, make_policy
-from splitserve.router.workers import WorkerSet
+from splitserve.router.policy import Charge, Decision, RequestFeatures, RoutingPolicy, make_policy
+from splitserve.router.workers import Worker, WorkerSet
 
 log = logging.getLogger("splitserve.router")
 
@@ -132,94 +132,123 @@ class Gateway:
         past `stallSeconds`, ran out of drain time, or its engine stopped) moves to another decode worker, up
         to `migrationLimit` times: that worker continues after the tokens already sent, and the client sees one
         stream. A failure before the first token tries another worker as before (no limit: each worker once)."""
-        rs = self.spec.router
         sp = gen.params
         run = _Run(IncrementalDetokenizer(self.tokenizer, gen.prompt_token_ids, sp.stop, sp.include_stop_str_in_output),
                    len(gen.prompt_token_ids))
-        tried: set[str] = set()
-        moving: _Moving | None = None
         while True:
             if len(run.produced) >= sp.max_tokens:  # it failed after its last token, before its end
                 yield run.piece([], [], "length")
                 return
-            exclude = tried | self._cannot_resume() if run.produced else tried
             try:
-                decision = await self._route(self.features(gen, gen.prompt_token_ids + run.produced), exclude)
-            except APIError as e:
-                if moving is None:
-                    raise
-                moving.end("no_worker")
-                if not run.produced:
-                    raise
-                log.warning("request %s: no decode worker to continue it on (%s)", rid, e.message)
-                yield run.error_end(e.message)
-                return
-            m.DECISIONS.labels(self.policy.name, decision.reason).inc()
-            m.PREFIX_HIT_TOKENS.inc(decision.cached_tokens)
-            decode, prefill = decision.decode, decision.prefill
-            tried.add(decode.name)
-            worker = self.workers.get(decode.name)
-            n = len(run.produced)
-            params = sp if not n else replace(sp, max_tokens=sp.max_tokens - n, min_tokens=max(0, sp.min_tokens - n),
-                                              output_offset=sp.output_offset + n)
-            call = GenerateCall(rid, gen.prompt_token_ids, params, prefill.name if prefill else "", gen.priority,
-                                tuple(run.produced))
-            bs = self.spec.model.block_size
-            blocks = -(-(run.num_prompt + n) // bs)
-            # charged to the worker that will compute the prompt: the decode worker prefills short ones itself
-            remote = prefill if run.num_prompt + n >= self.spec.decode.disagg_threshold else None
-            charge = Charge(decode, remote, blocks, blocks - decision.cached_tokens // bs)
-            if decision.spilled:
-                m.SPILLS.inc()
-            stream = worker.client.generate(call)
-            failed: _Moved | None = None
-            fatal: str | None = None  # the worker failed the request for good: another would likely do the same
-            try:
-                async for piece in self._pieces(stream, run, rs.stall_seconds):
-                    if piece.token_ids:
-                        charge.first_token()
-                        if moving is not None:
-                            moving.end("resumed")
-                            moving = None
+                decision = await self._reroute(gen, rid, run)
+                async for piece in self._attempt(gen, rid, run, decision):
                     yield piece
-                    if piece.finish_reason is not None:
-                        return
-            except WorkerCallError as e:
-                if e.kind == "invalid" and not run.produced:
-                    raise bad(e.details or "invalid request") from None
-                if e.kind in ("unavailable", "cancelled", "closed"):
-                    self.workers.mark_down(worker, e.details)
-                    failed = _Moved("worker_gone", e.details)
-                else:
-                    fatal = f"decode worker failed: {e.details}"
-            except _Moved as e:
-                failed = e
-            except _Fatal as e:
-                fatal = str(e)
-            finally:
-                stream.cancel()
-                charge.release()
-            if fatal is not None:
+                return  # the attempt reached the request's finish
+            except _Moved as failed:
+                why = self._may_not_move(rid, run, failed)
+            except APIError as e:  # it cannot go on: an error before its first token, the stream's end after it
                 if not run.produced:
-                    raise APIError(500, fatal, code="worker_error")
-                log.warning("request %s failed on %s after %d tokens: %s", rid, worker.endpoint, n, fatal)
-                yield run.error_end(fatal)
+                    raise
+                why = e.message
+            if why is not None:
+                yield run.error_end(why)
                 return
-            assert failed is not None  # the loop above returns at its finish
-            if moving is not None:  # the worker it moved to failed as well
-                moving.end("failed")
-            moving = _Moving(failed.reason, run.last_token_at)
-            if run.produced:
-                run.moves += 1
-                if run.moves > rs.migration_limit:
-                    moving.end("limit")
-                    log.warning("request %s: %s on %s after %d tokens; not moved (migrationLimit %d)", rid,
-                                failed.reason, worker.endpoint, len(run.produced), rs.migration_limit)
-                    yield run.error_end(f"the decode worker failed ({failed.details}) and the request may not move "
-                                        f"again (router.migrationLimit {rs.migration_limit})")
+
+    async def _reroute(self, gen: GenerationSpec, rid: str, run: _Run) -> Decision:
+        """A decode worker the request has not tried (once it has output: one that can continue it), chosen for
+        its context so far. Raises `APIError` when there is none."""
+        exclude = run.tried | self._cannot_resume() if run.produced else run.tried
+        try:
+            decision = await self._route(self.features(gen, gen.prompt_token_ids + run.produced), exclude)
+        except APIError as e:
+            if run.moving is not None:
+                run.moving.end("no_worker")
+                if run.produced:
+                    log.warning("request %s: no decode worker to continue it on (%s)", rid, e.message)
+            raise
+        m.DECISIONS.labels(self.policy.name, decision.reason).inc()
+        m.PREFIX_HIT_TOKENS.inc(decision.cached_tokens)
+        if decision.spilled:
+            m.SPILLS.inc()
+        run.tried.add(decision.decode.name)
+        return decision
+
+    async def _attempt(self, gen: GenerationSpec, rid: str, run: _Run, decision: Decision) -> AsyncIterator[Piece]:
+        """One decode worker's try at the request, from where it stands, to its finish. Raises `_Moved` when
+        another worker may continue it, `APIError` when it ends here (bad input, or the worker failed it)."""
+        worker = self.workers.get(decision.decode.name)
+        run.endpoint = worker.endpoint
+        charge = self._charge(decision, run)
+        stream = worker.client.generate(self._call(gen, rid, run, decision))
+        try:
+            async for piece in self._pieces(stream, run, self.spec.router.stall_seconds):
+                if piece.token_ids:
+                    charge.first_token()
+                    run.resumed()
+                yield piece
+                if piece.finish_reason is not None:
                     return
-                log.warning("request %s moves off %s (%s: %s) after %d tokens", rid, worker.endpoint, failed.reason,
-                            failed.details, len(run.produced))
+        except WorkerCallError as e:
+            raise self._failure(e, worker, rid, run) from None
+        except _Fatal as e:
+            raise self._fatal(str(e), rid, run) from None
+        finally:
+            stream.cancel()
+            charge.release()
+
+    def _call(self, gen: GenerationSpec, rid: str, run: _Run, decision: Decision) -> GenerateCall:
+        """The request from where it stands: after the tokens already sent, with what is left of its budget."""
+        sp, n = gen.params, len(run.produced)
+        params = sp if not n else replace(sp, max_tokens=sp.max_tokens - n, min_tokens=max(0, sp.min_tokens - n),
+                                          output_offset=sp.output_offset + n)
+        prefill = decision.prefill
+        return GenerateCall(rid, gen.prompt_token_ids, params, prefill.name if prefill else "", gen.priority,
+                            tuple(run.produced))
+
+    def _charge(self, decision: Decision, run: _Run) -> Charge:
+        """The attempt's share of its workers' load, in KV blocks of its context, until it ends."""
+        bs = self.spec.model.block_size
+        context = run.num_prompt + len(run.produced)
+        blocks = -(-context // bs)
+        # charged to the worker that will compute the prompt: the decode worker prefills short ones itself
+        remote = decision.prefill if context >= self.spec.decode.disagg_threshold else None
+        return Charge(decision.decode, remote, blocks, blocks - decision.cached_tokens // bs)
+
+    def _failure(self, e: WorkerCallError, worker: Worker, rid: str, run: _Run) -> Exception:
+        """What a failed call means: bad input (before the first token), a worker gone (the request moves), or
+        a failure for good."""
+        if e.kind == "invalid" and not run.produced:
+            return bad(e.details or "invalid request")
+        if e.kind in ("unavailable", "cancelled", "closed"):
+            self.workers.mark_down(worker, e.details)
+            return _Moved(RetryReason.WORKER_GONE, e.details)
+        return self._fatal(f"decode worker failed: {e.details}", rid, run)
+
+    @staticmethod
+    def _fatal(why: str, rid: str, run: _Run) -> APIError:
+        """The worker failed the request for good: another would likely do the same."""
+        if run.produced:
+            log.warning("request %s failed on %s after %d tokens: %s", rid, run.endpoint, len(run.produced), why)
+        return APIError(500, why, code="worker_error")
+
+    def _may_not_move(self, rid: str, run: _Run, failed: _Moved) -> str | None:
+        """Whether a failed attempt's request goes on elsewhere: None, or why its stream ends here instead."""
+        if run.moving is not None:  # the worker it moved to failed as well
+            run.moving.end("failed")
+        run.moving = _Moving(failed.reason, run.last_token_at)
+        if not run.produced:
+            return None  # a plain retry on another worker
+        run.moves += 1
+        limit = self.spec.router.migration_limit
+        if run.moves > limit:
+            run.moving.end("limit")
+            log.warning("request %s: %s on %s after %d tokens; not moved (migrationLimit %d)", rid, failed.reason,
+                        run.endpoint, len(run.produced), limit)
+            return (f"the decode worker failed ({failed.details}) and the request may not move again "
+                    f"(router.migrationLimit {limit})")
+        log.warning("request %s moves off %s (%s: %s) after %d tokens", rid, run.endpoint, failed.reason,
+                    failed.details, len(run.produced))
+        return None
 
     def _cannot_resume(self) -> set[str]:
         """Workers that could not continue a moved request (their health does not list `resume`)."""
@@ -238,9 +267,9 @@ class Gateway:
                     async with asyncio.timeout(stall_s):
                         resp = await anext(chunks)
             except StopAsyncIteration:
-                raise _Moved("worker_gone", "the worker ended the stream before the request finished") from None
+                raise _Moved(RetryReason.WORKER_GONE, "the worker ended the stream before the request finished") from None
             except TimeoutError:
-                raise _Moved("stall", f"no token for {stall_s:g} s") from None
+                raise _Moved(RetryReason.STALL, f"no token for {stall_s:g} s") from None
             if resp.finish_reason in ("error", "abort") and resp.finished:
                 if resp.retry:
                     raise _Moved(resp.retry, resp.error or f"finish_reason {resp.finish_reason}")
@@ -262,21 +291,21 @@ class Gateway:
 class _Moved(Exception):  # noqa: N818 (not an error: the request goes on elsewhere)
     """An attempt failed in a way another worker can recover from: it continues after the tokens sent."""
 
-    def __init__(self, reason: str, details: str) -> None:
+    def __init__(self, reason: RetryReason, details: str) -> None:
         super().__init__(details)
-        self.reason = reason  # worker_gone | stall | drain | engine
+        self.reason = reason
         self.details = details
 
 
 class _Fatal(Exception):  # noqa: N818
-    """The worker failed the request for good (an engine error it did not mark retryable)."""
+    """The worker failed the request for good (an error it did not mark retryable)."""
 
 
 @dataclass
 class _Moving:
     """A request on its way from a failed worker to another one."""
 
-    reason: str
+    reason: RetryReason
     since: float  # when its last token reached the gateway: the client waits from there
 
     def end(self, outcome: str) -> None:
@@ -294,8 +323,17 @@ class _Run:
     num_prompt: int
     produced: list[int] = field(default_factory=list)
     cached: int = 0  # prompt tokens its first worker did not compute
+    tried: set[str] = field(default_factory=set)  # decode workers it went to
+    endpoint: str = ""  # the latest one's
     moves: int = 0  # moves after the first token
+    moving: _Moving | None = None  # on its way from a failed worker to another one
     last_token_at: float = field(default_factory=time.monotonic)
+
+    def resumed(self) -> None:
+        """A token came after a move: the move is done."""
+        if self.moving is not None:
+            self.moving.end("resumed")
+            self.moving = None
 
     def piece(self, token_ids: list[int], logprobs: list[Logprob], finish: str | None) -> Piece:
         return Piece(self.detok.delta(finish is not None), list(token_ids), list(logprobs), finish, self.num_prompt,

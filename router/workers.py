@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.common.membership import Membership, WorkerInfo
-from splitserve.common.worker_client import GrpcWorkerClient, WorkerCallError, WorkerClient
+from splitserve.common.worker_client import GrpcWorkerClient
+from splitserve.common.worker_messages import WorkerCallError, WorkerClient
 from splitserve.router.metrics import HEALTH_FLAPS, WORKER_HEALTHY
 from splitserve.router.policy import WorkerLoad
 

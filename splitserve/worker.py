@@ -1,5 +1,5 @@
-"""A worker process: wires the config to a role's service, behind a gRPC server (grpc.aio) and an HTTP server for
-/metrics, /healthz, /readyz and /stats.
+"""A worker process: wires the config to a role's service, behind a gRPC server (`common.protocol.server`, which
+hands it the calls in dataclass messages) and an HTTP server for /metrics, /healthz, /readyz and /stats.
 
 The engine loads in a thread while both servers already answer (readiness is false until the role's service is
 built). Each role assembles its own service (`splitserve.prefill_worker.build`, `splitserve.decode_worker.build`);
@@ -19,10 +19,9 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import grpc
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -34,13 +33,23 @@ from splitserve.common.config import ClusterResource, ClusterSpec
 from splitserve.common.kv_events import KVEventPublisher
 from splitserve.common.membership import Membership, StaticMembership
 from splitserve.common.protocol import PROTOCOL_VERSION
-from splitserve.common.protocol import splitserve_pb2 as pb
-from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
-from splitserve.common.protocol.service import add_worker_service
+from splitserve.common.protocol.server import GrpcWorkerServer
 from splitserve.common.redis_link import RedisLink
 from splitserve.common.redis_wire import Keys, RegistryEntry
 from splitserve.common.registry import RedisMembership, Registration
 from splitserve.common.worker_context import WorkerContext
+from splitserve.common.worker_messages import (
+    Draining,
+    GenerateCall,
+    GenerateChunk,
+    HealthReport,
+    LoadReport,
+    NotReady,
+    NotServed,
+    PrefillCall,
+    PrefillReply,
+    RetryReason,
+)
 from splitserve.common.worker_metrics import (
     HEALTH_FLAPS,
     WORKER_ENGINE,
@@ -55,9 +64,6 @@ from splitserve.engine.interface import ServingEngine
 from splitserve.prefill_worker.build import build as build_prefill
 
 log = logging.getLogger("splitserve.worker")
-# no SO_REUSEPORT: a second process on a worker's port must fail to start, not share its traffic
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                ("grpc.so_reuseport", 0)]
 HTTP_START_S = 30.0  # the metrics server is listening within this, or the worker does not start
 
 
@@ -92,7 +98,11 @@ def load_engine(spec: ClusterSpec, role: str) -> ServingEngine:
     return AsyncEngine(LLMEngine(config))
 
 
-class WorkerServicer(pb_grpc.WorkerServicer):
+class Worker:
+    """A worker's calls (the `WorkerHandler` its gRPC server serves) and where it stands: loading (no service
+    yet), ready, draining, dead (its engine stopped). Calls go to the role's service; the calls in flight are
+    counted, and the streams still running when the drain runs out are ended so that they move."""
+
     def __init__(self, spec: ClusterSpec, role: str) -> None:
         self.spec = spec
         self.role = role
@@ -101,7 +111,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.outstanding = 0
         self.draining = False
         self._was_healthy = False
-        self._streams: set[asyncio.Task] = set()  # the Generate calls in flight
+        self._streams: set[asyncio.Task] = set()  # the generate calls in flight
         self._moved: set[asyncio.Task] = set()  # those ended by the drain's end (moved to another worker)
 
     @property
@@ -112,35 +122,38 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._was_healthy = ok
         return ok
 
-    async def _need_ready(self, context) -> None:
-        if self.service is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is loading its model")
+    @property
+    def dead(self) -> bool:
+        return self.engine is not None and self.engine.dead
 
-    async def _serve(self, method: str, request, context):
-        await self._need_ready(context)
+    def _need_ready(self) -> None:
+        if self.service is None:
+            raise NotReady("worker is loading its model")
+
+    def _serving(self, method: str):
+        """The role service's `method`; raises while it cannot take a new call."""
+        self._need_ready()
         if self.draining:  # before its gRPC server stops taking calls: the caller tries another worker
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+            raise Draining("worker is draining")
         handler = getattr(self.service, method, None)
         if handler is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {self.role} worker does not serve {method}")
+            raise NotServed(f"a {self.role} worker does not serve {method}")
         return handler
 
-    async def Generate(self, request, context):
-        handler = await self._serve("generate", request, context)
+    async def generate(self, call: GenerateCall) -> AsyncIterator[GenerateChunk]:
+        handler = self._serving("generate")
         self.outstanding += 1
         task = asyncio.current_task()
         self._streams.add(task)
         try:
-            async for out in handler(request, context):
-                if out.finished and out.finish_reason in ("error", "abort") and self.dead:
-                    out.retry = "engine"  # this worker can no longer run it; another one can
-                yield out
+            async for chunk in handler(call):
+                yield chunk
         except asyncio.CancelledError:
             if task not in self._moved:
                 raise
             # the drain ran out of time: the request ends here and the gateway moves it to another worker
-            yield pb.GenerateResponse(request_id=request.request_id, finished=True, finish_reason="error",
-                                      error="the worker is stopping: its drain time ran out", retry="drain")
+            yield GenerateChunk(call.request_id, [], finished=True, finish_reason="error",
+                                error="the worker is stopping: its drain time ran out", retry=RetryReason.DRAIN)
         finally:
             self._streams.discard(task)
             self.outstanding -= 1
@@ -153,39 +166,34 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             task.cancel()
         return len(self._streams)
 
-    async def Prefill(self, request, context):
-        return await self._answer("prefill", request, context)
+    async def prefill(self, call: PrefillCall) -> PrefillReply:
+        return await self._answer(self._serving("prefill"), call)
 
-    async def PrefillEarly(self, request_iterator, context):
-        return await self._answer("prefill_early", request_iterator, context)
+    async def prefill_early(self, call: PrefillCall, ticket: Awaitable[bytes]) -> PrefillReply:
+        return await self._answer(self._serving("prefill_early"), call, ticket)
 
-    async def _answer(self, method: str, request, context):
+    async def _answer(self, handler, *args) -> PrefillReply:
         """A call with one answer, counted outstanding while the service works on it."""
-        handler = await self._serve(method, request, context)
         self.outstanding += 1
         try:
-            return await handler(request, context)
+            return await handler(*args)
         finally:
             self.outstanding -= 1
 
-    async def Abort(self, request, context):
-        await self._need_ready(context)
-        await self.engine.abort(request.request_id)
-        return pb.AbortResponse(found=True)
+    async def abort(self, request_id: str) -> bool:
+        self._need_ready()
+        await self.engine.abort(request_id)
+        return True
 
-    async def Health(self, request, context):
-        return pb.HealthResponse(live=not self.dead, ready=self.ready, role=self.role, draining=self.draining,
-                                 model=self.spec.model.served_name, protocol_version=PROTOCOL_VERSION,
-                                 engine=self.spec.engine_of(self.role),
-                                 capabilities=["resume"] if self.role != "prefill" else [])
+    def health(self) -> HealthReport:
+        return HealthReport(live=not self.dead, ready=self.ready, role=self.role, draining=self.draining,
+                            model=self.spec.model.served_name, protocol_version=PROTOCOL_VERSION,
+                            engine=self.spec.engine_of(self.role),
+                            capabilities=frozenset({"resume"}) if self.role != "prefill" else frozenset())
 
-    @property
-    def dead(self) -> bool:
-        return self.engine is not None and self.engine.dead
-
-    async def Stats(self, request, context):
-        await self._need_ready(context)
-        return pb.StatsResponse(**self.stats())
+    def load(self) -> LoadReport:
+        self._need_ready()
+        return LoadReport(**self.stats())
 
     def stats(self) -> dict:
         """The engine's last published counters (safe from any thread; never waits for a step)."""
@@ -199,24 +207,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             "outstanding_requests": self.outstanding}
 
 
-def http_app(servicer: WorkerServicer) -> Starlette:
+def http_app(worker: Worker) -> Starlette:
     async def metrics(_: Request) -> Response:
-        if servicer.engine is not None:
-            servicer.stats()  # refresh the gauges
+        if worker.engine is not None:
+            worker.stats()  # refresh the gauges
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(_: Request) -> Response:
-        dead = servicer.dead
+        dead = worker.dead
         return JSONResponse({"live": not dead}, status_code=503 if dead else 200)
 
     async def readyz(_: Request) -> Response:
-        ready = servicer.ready
-        return JSONResponse({"ready": ready, "draining": servicer.draining}, status_code=200 if ready else 503)
+        ready = worker.ready
+        return JSONResponse({"ready": ready, "draining": worker.draining}, status_code=200 if ready else 503)
 
     async def stats(_: Request) -> Response:
-        if servicer.engine is None:
+        if worker.engine is None:
             return JSONResponse({"error": "loading"}, status_code=503)
-        return JSONResponse(servicer.stats())
+        return JSONResponse(worker.stats())
 
     return Starlette(routes=[Route("/metrics", metrics), Route("/healthz", healthz), Route("/readyz", readyz),
                              Route("/stats", stats)])
@@ -290,19 +298,19 @@ class ClusterPresence:
             await self.link.close()
 
 
-async def _drain(servicer: WorkerServicer, seconds: float) -> None:
+async def _drain(worker: Worker, seconds: float) -> None:
     """Let the calls in flight finish for up to `seconds`; then tell the streams still running to move. A worker
     whose engine died waits for nothing: its calls cannot finish here."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
-    while servicer.outstanding and not servicer.dead and loop.time() < deadline:
+    while worker.outstanding and not worker.dead and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    moved = servicer.move_streams()
+    moved = worker.move_streams()
     if moved:
-        why = "its engine died" if servicer.dead else "drain time ran out"
-        log.warning("worker %s: %s; %d streams move to other workers", servicer.role, why, moved)
+        why = "its engine died" if worker.dead else "drain time ran out"
+        log.warning("worker %s: %s; %d streams move to other workers", worker.role, why, moved)
         end = loop.time() + STOP_GRACE_SECONDS
-        while servicer.outstanding and loop.time() < end:
+        while worker.outstanding and loop.time() < end:
             await asyncio.sleep(0.05)  # their last message goes out
 
 
@@ -360,16 +368,14 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
     `vllm_url`, uses the one already serving there (the container beside it in a pod)."""
     spec = resource.spec
     role_spec = spec.role(role)
-    servicer = WorkerServicer(spec, role)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    add_worker_service(servicer, server)  # a request that does not decode: INVALID_ARGUMENT
-    http = HTTPThread(http_app(servicer), host, role_spec.metrics_port)
+    worker = Worker(spec, role)
+    server = GrpcWorkerServer(worker)
+    http = HTTPThread(http_app(worker), host, role_spec.metrics_port)
     try:
         try:
-            server.add_insecure_port(f"{host}:{role_spec.port}")
-        except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+            await server.start(f"{host}:{role_spec.port}")
+        except OSError as e:
             raise PortInUse(f"--port: cannot listen on {host}:{role_spec.port} (in use?)") from e
-        await server.start()
         http.start()
     except PortInUse:
         await server.stop(None)
@@ -396,32 +402,32 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
                 log.error("model load failed: %s", loader.exception())
                 code = 2
             else:
-                servicer.engine = loader.result()
+                worker.engine = loader.result()
                 ctx = WorkerContext(presence.name, presence.instance_id, host, presence.membership, presence.link,
                                     presence.keys)
-                servicer.service = await ROLES[role](spec, servicer.engine, ctx)
-                await presence.join(servicer.engine)
+                worker.service = await ROLES[role](spec, worker.engine, ctx)
+                await presence.join(worker.engine)
                 log.info("worker %s ready", role)
                 await waiter
-        servicer.draining = True
+        worker.draining = True
         await presence.drain()
-        log.info("worker %s draining: %d requests in flight (up to %.0f s)", role, servicer.outstanding,
+        log.info("worker %s draining: %d requests in flight (up to %.0f s)", role, worker.outstanding,
                  role_spec.drain_seconds)
-        await _drain(servicer, role_spec.drain_seconds)
+        await _drain(worker, role_spec.drain_seconds)
         await server.stop(grace=STOP_GRACE_SECONDS)
         log.info("worker %s stopped", role)
     finally:
         http.stop()
-        if servicer.service is not None:
-            await servicer.service.close()
+        if worker.service is not None:
+            await worker.service.close()
         await presence.close()
-        if servicer.engine is not None:
-            aclose = getattr(servicer.engine, "aclose", None)
+        if worker.engine is not None:
+            aclose = getattr(worker.engine, "aclose", None)
             if aclose is not None:  # engine vllm: its HTTP client, then its server (stopping takes a while)
                 await aclose()
-                await asyncio.to_thread(servicer.engine.shutdown)
+                await asyncio.to_thread(worker.engine.shutdown)
             else:
-                servicer.engine.shutdown()
+                worker.engine.shutdown()
         elif not loader.done() and spec.engine_of(role) == "vllm":  # it sees the stop and stops its server
             await asyncio.gather(loader, return_exceptions=True)
         # stopped while loading: the load thread finishes on its own; the host decides whether to wait for it

@@ -8,11 +8,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from splitserve.common.membership import StaticMembership
-from splitserve.common.protocol import PROTOCOL_VERSION
-from splitserve.common.protocol import splitserve_pb2 as pb
-from splitserve.common.protocol.convert import params_to_pb
 from splitserve.common.sampling import SamplingParams
-from splitserve.common.worker_client import PrefillReply, WorkerCallError
+from splitserve.common.worker_messages import GenerateCall, GenerateChunk, PrefillReply, WorkerCallError
 from splitserve.decode_worker.service import DecodeService
 from splitserve.engine.interface import ModelFacts, Reservation
 from splitserve.engine.outputs import RequestOutput
@@ -109,14 +106,8 @@ class Peer:
         pass
 
 
-class Context:
-    async def abort(self, code, details) -> None:
-        raise AssertionError(f"aborted: {code} {details}")
-
-
-def request(rid: str) -> pb.GenerateRequest:
-    return pb.GenerateRequest(protocol_version=PROTOCOL_VERSION, request_id=rid, prompt_token_ids=PROMPT,
-                              params=params_to_pb(SamplingParams(max_tokens=2, temperature=0)), prefill_worker="p:1")
+def request(rid: str) -> GenerateCall:
+    return GenerateCall(rid, PROMPT, SamplingParams(max_tokens=2, temperature=0), prefill_worker="p:1")
 
 
 def service(handover: Handover, peer: Peer, engine: Engine) -> DecodeService:
@@ -124,8 +115,8 @@ def service(handover: Handover, peer: Peer, engine: Engine) -> DecodeService:
                          connect=lambda endpoint: peer)
 
 
-async def collect(svc: DecodeService, rid: str) -> list[pb.GenerateResponse]:
-    return [r async for r in svc.generate(request(rid), Context())]
+async def collect(svc: DecodeService, rid: str) -> list[GenerateChunk]:
+    return [r async for r in svc.generate(request(rid))]
 
 
 def test_a_remote_prefill_carries_the_opaque_ticket_and_admits_after_the_landing():

@@ -13,9 +13,9 @@ from splitserve.common.protocol import PROTOCOL_VERSION
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
 from splitserve.common.sampling import Logprob, SamplingParams
-from splitserve.common.worker_client import (
+from splitserve.common.worker_client import GrpcWorkerClient
+from splitserve.common.worker_messages import (
     GenerateCall,
-    GrpcWorkerClient,
     HealthReport,
     LoadReport,
     PrefillCall,

@@ -29,6 +29,7 @@ from splitserve.common.hashing import hash_token_blocks
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from splitserve.common.sampling import Logprob, SamplingParams
 from splitserve.common.vllm_kv_events import VllmEventError, VllmKVEventBridge
+from splitserve.common.worker_messages import RetryReason
 from splitserve.engine.interface import KVEventListener, ModelFacts
 from splitserve.engine.outputs import RequestOutput
 from splitserve.vllm_engine.server import EVENTS_TOPIC, VllmServer, is_cpu
@@ -468,7 +469,8 @@ class VllmEngine:
                     self._die(f"the vLLM server exited with code {code}")
                 out = failed(self._dead_reason or f"vLLM: {type(e).__name__}: {e}")
                 # the connection to the server broke, not the request: another worker may continue it
-                out.retryable = isinstance(e, httpx.TransportError | httpx.StreamError)
+                if isinstance(e, httpx.TransportError | httpx.StreamError):
+                    out.retry = RetryReason.ENGINE
                 yield out
         finally:
             self._prefill_pending.pop(rid, None)
