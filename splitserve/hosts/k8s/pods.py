@@ -22,10 +22,11 @@ import math
 import re
 from typing import Any
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.checks import gpus_per_pod
 from splitserve.common.config import ClusterResource, ClusterSpec, RoleSpec
 from splitserve.common.model_files import EMBEDDED
+from splitserve.hosts.common import redis_options, worker_argv
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.checks import gpus_per_pod
 from splitserve.vllm_engine.server import VllmPorts, command, disaggregated, environment
 
 WORKER_PORT_NAMES = ("grpc", "metrics")
@@ -164,9 +165,10 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, A
 
 
 def worker_command(role: str) -> list[str]:
-    """A worker's command line (POD_NAME and POD_IP come from the downward API)."""
-    return ["splitserve", "worker", "--config", names.CONFIG_PATH, "--role", role, "--host", "0.0.0.0",
-            "--name", "$(POD_NAME)", "--advertise-host", "$(POD_IP)"]
+    """A worker's command line: the image's `splitserve`, named and advertised as its pod (POD_NAME and POD_IP
+    come from the downward API), its ports the role's own from the rendered config."""
+    return worker_argv(role, names.CONFIG_PATH, "0.0.0.0", "$(POD_NAME)", program=["splitserve"],
+                       advertise_host="$(POD_IP)")
 
 
 def gateway_command() -> list[str]:
@@ -349,8 +351,7 @@ def redis_pod(resource: ClusterResource, pod_labels: dict[str, str]) -> dict[str
         "name": "redis",
         "image": images.redis,
         "imagePullPolicy": images.pull_policy,
-        "args": ["--save", "", "--appendonly", "no", "--maxmemory", resource.spec.kv_pool.max_memory,
-                 "--maxmemory-policy", "volatile-lru", "--notify-keyspace-events", "Ee"],
+        "args": redis_options(resource.spec.kv_pool.max_memory),
         "ports": [{"name": "redis", "containerPort": names.REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 3},
