@@ -27,7 +27,7 @@ from splitserve.common.model_files import EMBEDDED
 from splitserve.hosts.common import redis_options, worker_argv
 from splitserve.hosts.k8s import names
 from splitserve.hosts.k8s.checks import gpus_per_pod
-from splitserve.vllm_engine.server import VllmPorts, command, disaggregated, environment
+from splitserve.vllm_engine import server as vllm_server
 
 WORKER_PORT_NAMES = ("grpc", "metrics")
 
@@ -275,11 +275,11 @@ def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
     """(the vLLM server's container, the volumes only it mounts) of a worker pod with engine vllm."""
     cluster, images, k8s = _on_pod_device(resource.spec, spec), resource.spec.images, resource.spec.kubernetes
     v = cluster.vllm
-    ports = VllmPorts(v.port, v.events_port, v.side_channel_port)
+    ports = vllm_server.VllmPorts(v.port, v.events_port, v.side_channel_port)
     # The image runs as the pod's user under a read-only root: HOME (HF, vLLM, Triton and FlashInfer caches)
     # and /tmp (TorchInductor, vLLM's IPC sockets) are an emptyDir of its own.
     env: list[dict[str, Any]] = [{"name": "HOME", "value": names.TMP_DIR}, {"name": "USER", "value": VLLM_USER}]
-    for key, value in environment(cluster, role, ports, side_channel_host=_POD_IP).items():
+    for key, value in vllm_server.environment(cluster, role, ports, side_channel_host=_POD_IP).items():
         # the NIXL handshake address the other servers dial: this pod's IP
         env.append(_field_env(key, "status.podIP") if value == _POD_IP else {"name": key, "value": value})
     secret = cluster.redis.url_secret
@@ -302,7 +302,7 @@ def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
         "name": "vllm",
         "image": images.vllm,
         "imagePullPolicy": images.pull_policy,
-        "command": command(cluster, role, _model_dir(resource), ports, python="python3"),
+        "command": vllm_server.command(cluster, role, _model_dir(resource), ports, python="python3"),
         "env": env,
         # loading, profiling and compiling take up to vllm.startupSeconds; the worker beside it waits as long
         "startupProbe": _python_probe(health, VLLM_PROBE_PERIOD, math.ceil(v.startup_seconds / VLLM_PROBE_PERIOD)),
@@ -312,7 +312,7 @@ def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
         "volumeMounts": mounts,
         "securityContext": _security_context(resource),
     }
-    if disaggregated(cluster, role):  # the other servers dial its NIXL handshake
+    if vllm_server.disaggregated(cluster, role):  # the other servers dial its NIXL handshake
         container["ports"] = [{"name": "nixl", "containerPort": v.side_channel_port, "protocol": "TCP"}]
     return container, volumes
 

@@ -69,7 +69,8 @@ class Launcher:
     def plan(self) -> list[tuple[str, str, int, int]]:
         """(name, role, gRPC port, metrics port) of every worker, and the static membership in the document."""
         spec = self.resource.spec
-        workers = [(f"{pool}-{i}", role) for pool, role in worker_pools(spec) for i in range(spec.role(pool).replicas)]
+        workers = [(f"{pool}-{i}", role) for pool, role in worker_pools(spec)
+                   for i in range(spec.role(pool).replicas)]
         planned = [(name, role, self.free_port(), self.free_port()) for name, role in workers]
         spec.membership.prefill = [f"{self.host}:{p}" for _, role, p, _ in planned if role == "prefill"]
         spec.membership.decode = [f"{self.host}:{p}" for _, role, p, _ in planned if role != "prefill"]
