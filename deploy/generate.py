@@ -9,9 +9,9 @@ import re
 import sys
 from pathlib import Path
 
-from splitserve.autoscaler.operator.chart_values import values_schema_json
-from splitserve.autoscaler.operator.crd import crd_yaml
 from splitserve.common.config import SLOSpec
+from splitserve.hosts.k8s.chart_values import values_schema_json
+from splitserve.hosts.k8s.crd import crd_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "splitserve"

@@ -89,8 +89,7 @@ def cluster_for(spec: ClusterSpec) -> tuple[Membership, ClusterState | None]:
         cluster = ClusterState(RedisLink(url), spec.model.served_name, snapshot_s=spec.redis.snapshot_seconds,
                                lease_s=spec.redis.lease_seconds)
         return cluster.membership, cluster
-    decode_role = "both" if spec.mode == "colocated" else "decode"
-    return StaticMembership(spec.membership.prefill, spec.membership.decode, decode_role), None
+    return StaticMembership(spec.membership.prefill, spec.membership.decode, spec.worker_role("decode")), None
 
 
 class HTTPApi:

@@ -313,7 +313,7 @@ UP_FLAGS = [
 @config_command(UP_FLAGS, file_option="--file")
 def up(resource: ClusterResource, host: str, dry_run: bool, autoscale: bool, autoscale_profile: str | None) -> None:
     """Start the gateway plus prefill and decode workers as local processes; Ctrl-C stops them all."""
-    from splitserve.launcher import check_fixed_ports, run
+    from splitserve.hosts.local.launcher import check_fixed_ports, run
 
     if autoscale:
         resource.spec.autoscaling.mode = "slo"
@@ -368,7 +368,7 @@ def serve_ray(resource: ClusterResource, address: str | None, host: str, num_cpu
     for name, value in RAY_SERVE_ENV.items():  # a local Ray's processes inherit them (a cluster's own: docs/ray.md)
         os.environ.setdefault(name, value)
     try:
-        from splitserve import ray_app
+        from splitserve.hosts.ray import app as ray_app
     except ImportError:
         fail("serve-ray needs Ray Serve: pip install 'splitserve[ray]'")
     if print_config:

@@ -34,7 +34,7 @@ def operator(namespaces: tuple[str, ...], all_namespaces: bool, resync_seconds: 
     try:
         from kubernetes.config import ConfigException
 
-        from splitserve.autoscaler.operator.run import run
+        from splitserve.hosts.k8s.run import run
     except ImportError as e:
         raise click.ClickException(f"the operator needs kopf and kubernetes: pip install 'splitserve[k8s]' ({e})") from None
     try:
@@ -50,11 +50,11 @@ def operator(namespaces: tuple[str, ...], all_namespaces: bool, resync_seconds: 
 def crd(values_schema: bool) -> None:
     """Print the SplitServeCluster and SplitServeRole CRDs (YAML), generated from the configuration model."""
     if values_schema:
-        from splitserve.autoscaler.operator.chart_values import values_schema_json
+        from splitserve.hosts.k8s.chart_values import values_schema_json
 
         click.echo(values_schema_json(), nl=False)
     else:
-        from splitserve.autoscaler.operator.crd import crd_yaml
+        from splitserve.hosts.k8s.crd import crd_yaml
 
         click.echo(crd_yaml(), nl=False)
 
@@ -66,9 +66,9 @@ def crd(values_schema: bool) -> None:
               help="the namespace the objects go to (default: the file's metadata.namespace, else default)")
 def render(path: str, namespace: str | None) -> None:
     """Print every Kubernetes object the operator would create for a SplitServeCluster, as a YAML stream."""
-    from splitserve.autoscaler.operator.children import preview
-    from splitserve.autoscaler.operator.replicas import Unrealisable
     from splitserve.common.config_file import ConfigError, parse_resource, read_document
+    from splitserve.hosts.k8s.children import preview
+    from splitserve.hosts.k8s.replicas import Unrealisable
 
     try:
         doc = read_document(path)

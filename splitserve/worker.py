@@ -247,7 +247,7 @@ class ClusterPresence:
             self.membership: Membership = RedisMembership(self.link, self.keys)
         else:
             self.membership = StaticMembership(spec.membership.prefill, spec.membership.decode,
-                                               "both" if spec.mode == "colocated" else "decode")
+                                               spec.worker_role("decode"))
 
     async def start(self) -> None:
         if self.link is not None:

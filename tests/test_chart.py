@@ -17,11 +17,11 @@ import pytest
 import yaml
 from test_k8s_schema import admit
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.chart_values import ChartValues
-from splitserve.autoscaler.operator.crd import cluster_crd
 from splitserve.common.config import ClusterSpec, SLOSpec
 from splitserve.common.config_file import json_schema
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.chart_values import ChartValues
+from splitserve.hosts.k8s.crd import cluster_crd
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "splitserve"

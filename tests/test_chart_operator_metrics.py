@@ -13,9 +13,9 @@ from test_chart import CASES, CHART, VALUES, by_kind, monitored_chart, render
 from test_k8s_commands import parse
 from test_k8s_docs import operator_objects
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.reconcile import resource_of
-from splitserve.autoscaler.operator.slo import service_observer
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.reconcile import resource_of
+from splitserve.hosts.k8s.slo import service_observer
 
 NS = "serving"
 METRICS_CASES = {**CASES, "metrics-port-9464": {"operator": {"metricsPort": 9464}}}

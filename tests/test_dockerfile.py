@@ -47,7 +47,7 @@ def test_the_ray_image_is_the_worker_plus_the_ray_extra_laid_out_for_kuberay():
     `ray` extra). KubeRay runs `/bin/bash -lc "...; ray start ..."` as the container's command and probes the pod
     with wget: the stage installs wget, puts the venv on a login shell's PATH, and ends as the worker's non-root
     user in its home directory."""
-    from splitserve.autoscaler.operator import names
+    from splitserve.hosts.k8s import names
 
     stage = _stage("worker-ray")
     assert re.search(r"^FROM worker AS worker-ray$", DOCKERFILE, re.M)
@@ -138,7 +138,7 @@ class NotInstalled(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path[:] = [NotInstalled(list(sys.meta_path))]
-import splitserve.cli, splitserve.router.app, splitserve.router.gateway, splitserve.autoscaler.operator.run
+import splitserve.cli, splitserve.router.app, splitserve.router.gateway, splitserve.hosts.k8s.run
 from click.testing import CliRunner
 assert CliRunner().invoke(splitserve.cli.app, ["crd"]).exit_code == 0
 assert CliRunner().invoke(splitserve.cli.app, ["render", "-f", "deploy/examples/local-cpu.yaml"]).exit_code == 0
@@ -167,8 +167,8 @@ def test_the_gateway_image_carries_the_embedded_tokenizers_not_the_worker_image(
     """The tokenizer stage converts each embedded model as a worker does (`splitserve fetch-model`, CPU torch of
     the Makefile's version), once on the build host's platform, and keeps only config.json and the tokenizer; the
     gateway image copies them to the SPLITSERVE_CACHE the operator gives gateway pods."""
-    from splitserve.autoscaler.operator import names
     from splitserve.common.model_files import EMBEDDED
+    from splitserve.hosts.k8s import names
 
     stage = re.search(r"^FROM --platform=\$BUILDPLATFORM \S+ AS tokenizer\n(.*?)(?=^FROM |\Z)", DOCKERFILE,
                       re.S | re.M).group(1)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from splitserve.autoscaler.operator.chart_values import OperatorValues
 from splitserve.common.config import ImagesSpec
+from splitserve.hosts.k8s.chart_values import OperatorValues
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())

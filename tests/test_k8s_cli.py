@@ -18,11 +18,11 @@ from test_chart import CASES
 from test_chart import render as helm_render
 from test_k8s_schema import admit
 
-from splitserve.autoscaler.operator.children import children, owner_reference
-from splitserve.autoscaler.operator.crd import role_crd
-from splitserve.autoscaler.operator.reconcile import resource_of
-from splitserve.autoscaler.operator.replicas import Observed, decide, spec_or_scale
 from splitserve.cli import app
+from splitserve.hosts.k8s.children import children, owner_reference
+from splitserve.hosts.k8s.crd import role_crd
+from splitserve.hosts.k8s.reconcile import resource_of
+from splitserve.hosts.k8s.replicas import Observed, decide, spec_or_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -11,12 +11,12 @@ import helm_python as helm
 import pytest
 import yaml
 
-from splitserve.autoscaler.operator.children import children, owner_reference
-from splitserve.autoscaler.operator.names import CONFIG_FILE, CONFIG_PATH
-from splitserve.autoscaler.operator.reconcile import resource_of
-from splitserve.autoscaler.operator.replicas import Observed, decide, spec_or_scale
 from splitserve.cli import app
 from splitserve.common.config_file import load
+from splitserve.hosts.k8s.children import children, owner_reference
+from splitserve.hosts.k8s.names import CONFIG_FILE, CONFIG_PATH
+from splitserve.hosts.k8s.reconcile import resource_of
+from splitserve.hosts.k8s.replicas import Observed, decide, spec_or_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))

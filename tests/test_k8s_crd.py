@@ -16,11 +16,11 @@ import yaml
 from click.testing import CliRunner
 from test_k8s_schema import admit, to_json_schema
 
-from splitserve.autoscaler.operator.crd import crd_yaml, crds
-from splitserve.autoscaler.operator.status import ClusterStatus
 from splitserve.cli import app
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import ConfigError, parse_resource
+from splitserve.hosts.k8s.crd import crd_yaml, crds
+from splitserve.hosts.k8s.status import ClusterStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))

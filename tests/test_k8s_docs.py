@@ -25,12 +25,12 @@ from prometheus_client import generate_latest
 from pss import pod_templates, violations
 from test_k8s_schema import admit
 
-from splitserve.autoscaler.operator.children import children, owner_reference
-from splitserve.autoscaler.operator.crd import cluster_crd, crd_yaml, role_crd
-from splitserve.autoscaler.operator.reconcile import resource_of
-from splitserve.autoscaler.operator.replicas import Observed, decide, spec_or_scale
 from splitserve.cli import app
 from splitserve.common.config import ImagesSpec
+from splitserve.hosts.k8s.children import children, owner_reference
+from splitserve.hosts.k8s.crd import cluster_crd, crd_yaml, role_crd
+from splitserve.hosts.k8s.reconcile import resource_of
+from splitserve.hosts.k8s.replicas import Observed, decide, spec_or_scale
 from splitserve.kv_transfer import metrics as kv_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

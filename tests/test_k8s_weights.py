@@ -19,8 +19,8 @@ from pss import pod_templates, violations
 from test_dockerfile import _closure, _name
 from test_k8s_cli import render
 
-from splitserve.autoscaler.operator import names
 from splitserve.common.config import ImagesSpec
+from splitserve.hosts.k8s import names
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

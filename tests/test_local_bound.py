@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from splitserve.autoscale_local import GiB, LocalAutoscaler, Machine, local_bound, worker_memory_bytes
 from splitserve.autoscaler.bounds import Bounds, clamp
 from splitserve.common.config_file import load
+from splitserve.hosts.local.autoscale import GiB, LocalAutoscaler, Machine, local_bound, worker_memory_bytes
 
 EXAMPLE = "deploy/examples/local-cpu.yaml"
 

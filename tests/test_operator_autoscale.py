@@ -32,10 +32,10 @@ from test_operator_kmock import (
 )
 
 from splitserve.autoscaler.observer import Observer
-from splitserve.autoscaler.operator.kube import Kube
-from splitserve.autoscaler.operator.reconcile import Deps
-from splitserve.autoscaler.operator.run import operate
-from splitserve.autoscaler.operator.slo import SloReplicas
+from splitserve.hosts.k8s.kube import Kube
+from splitserve.hosts.k8s.reconcile import Deps
+from splitserve.hosts.k8s.run import operate
+from splitserve.hosts.k8s.slo import SloReplicas
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 CLUSTER_PATH = f"/apis/{CLUSTERS.rsplit('/', 1)[0]}/namespaces/{NS}/splitserveclusters"
@@ -197,9 +197,9 @@ async def test_keda_example_targets_the_roles_and_the_metric_the_operator_export
     import yaml
 
     from splitserve.autoscaler.actuator import DESIRED
-    from splitserve.autoscaler.operator.children import children, owner_reference
-    from splitserve.autoscaler.operator.reconcile import resource_of
-    from splitserve.autoscaler.operator.replicas import Observed, decide, spec_or_scale
+    from splitserve.hosts.k8s.children import children, owner_reference
+    from splitserve.hosts.k8s.reconcile import resource_of
+    from splitserve.hosts.k8s.replicas import Observed, decide, spec_or_scale
 
     root = Path(__file__).resolve().parents[1]
     cluster = yaml.safe_load((root / "deploy/examples/gpu-llama-8b.yaml").read_text())

@@ -22,11 +22,11 @@ import kopf
 import pytest
 import yaml
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.kube import Kube
-from splitserve.autoscaler.operator.reconcile import Deps
-from splitserve.autoscaler.operator.run import operate
 from splitserve.common.config import ClusterResource
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.kube import Kube
+from splitserve.hosts.k8s.reconcile import Deps
+from splitserve.hosts.k8s.run import operate
 
 NS = "default"
 CLUSTERS = f"{names.GROUP}/{names.VERSION}/{names.CLUSTER_PLURAL}"

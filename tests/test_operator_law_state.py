@@ -24,7 +24,7 @@ from test_operator_autoscale import (  # noqa: F401
 from test_operator_kmock import CLUSTERS, cluster_doc, eventually, live
 
 from splitserve.autoscaler.law_state import STATE_VERSION, ControllerState, RoleState
-from splitserve.autoscaler.operator.slo import SloReplicas
+from splitserve.hosts.k8s.slo import SloReplicas
 
 
 def law_state(emulator) -> dict | None:

@@ -12,21 +12,21 @@ import pytest
 import yaml
 from test_k8s_commands import parse
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.checks import check
-from splitserve.autoscaler.operator.children import children, config_hash, owner_reference, rendered
-from splitserve.autoscaler.operator.pods import VLLM_SIDECAR_RESOURCES, worker_command
-from splitserve.autoscaler.operator.reconcile import contains, resource_of
-from splitserve.autoscaler.operator.replicas import (
+from splitserve.common.config import ClusterResource
+from splitserve.common.config_file import dump
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.checks import check
+from splitserve.hosts.k8s.children import children, config_hash, owner_reference, rendered
+from splitserve.hosts.k8s.pods import VLLM_SIDECAR_RESOURCES, worker_command
+from splitserve.hosts.k8s.reconcile import contains, resource_of
+from splitserve.hosts.k8s.replicas import (
     Observed,
     ReplicaDecision,
     Unrealisable,
     decide,
     spec_or_scale,
 )
-from splitserve.autoscaler.operator.status import Condition, set_condition
-from splitserve.common.config import ClusterResource
-from splitserve.common.config_file import dump
+from splitserve.hosts.k8s.status import Condition, set_condition
 from splitserve.vllm_engine.server import VllmPorts, command
 
 GPU = {"limits": {"nvidia.com/gpu": 1}}

@@ -22,8 +22,8 @@ from splitserve.autoscaler.actuator import default_profile, load_profile  # noqa
 from splitserve.autoscaler.law import ControllerState, LawConfig, decide  # noqa: E402
 from splitserve.autoscaler.observations import Observation, Percentiles, RoleObservation  # noqa: E402
 from splitserve.common.config_file import ConfigError, load, parse_resource  # noqa: E402
-from splitserve.ray_app import build, cpus, deployment_options, serve_config  # noqa: E402
-from splitserve.ray_policy import LawPolicy, policy_config  # noqa: E402
+from splitserve.hosts.ray.app import build, cpus, deployment_options, serve_config  # noqa: E402
+from splitserve.hosts.ray.policy import LawPolicy, policy_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = ROOT / "deploy/examples/local-cpu.yaml"
@@ -69,7 +69,7 @@ def test_serve_config_passes_rays_schema_and_builds_the_same_deployments(mode: s
     config = serve_config(resource, "127.0.0.1", 8123)
     schema = ServeDeploySchema.model_validate(config)  # Ray's own pydantic model of `serve deploy` files
     app = schema.applications[0]
-    assert (app.name, app.import_path, app.route_prefix) == ("local-cpu", "splitserve.ray_app:build", "/")
+    assert (app.name, app.import_path, app.route_prefix) == ("local-cpu", "splitserve.hosts.ray.app:build", "/")
     assert parse_resource(app.args) == resource  # the args are the cluster document itself
     assert (app.autoscaling_policy is not None) == (mode == "slo")
     assert app.external_scaler_enabled == (mode == "external")

@@ -36,12 +36,12 @@ NEEDS = {
     "splitserve.engine.kernels.triton_moe": "triton",
     "splitserve.engine.kernels.triton_norm_rope": "triton",
     "splitserve.engine.kernels.triton_paged_attention": "triton",
-    "splitserve.ray_app": "ray",
+    "splitserve.hosts.ray.app": "ray",
     "splitserve.vllm_engine.pool_connector": "vllm",
 }
 # What the slim gateway/operator image runs (the Dockerfile's gateway stage).
 GATEWAY_MODULES = ["splitserve.cli", "splitserve.router.app", "splitserve.router.gateway",
-                   "splitserve.autoscaler.operator.run"]
+                   "splitserve.hosts.k8s.run"]
 
 IMPORT_ALL = """
 import importlib, json, sys

@@ -577,6 +577,15 @@ class ClusterSpec(Spec):
         """The spec a worker of role `name` (prefill, decode or both) runs with."""
         return self.prefill if name == "prefill" else self.decode
 
+    def pools(self) -> list[str]:
+        """The worker pools the cluster runs: prefill and decode, or decode alone in colocated mode."""
+        return ["decode"] if self.mode == "colocated" else ["prefill", "decode"]
+
+    def worker_role(self, pool: str) -> str:
+        """The role a worker of `pool` runs (`splitserve worker --role`): colocated clusters run their decode
+        pool as `both`."""
+        return "both" if pool == "decode" and self.mode == "colocated" else pool
+
 
 class Metadata(BaseModel):
     """Kubernetes object metadata: `name` is required; whatever else kubectl writes is kept as is."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import re
 
-from splitserve.autoscaler.operator.crd import NAME_MAX
-from splitserve.autoscaler.operator.replicas import Unrealisable
 from splitserve.common.config import ClusterResource, RoleSpec
+from splitserve.hosts.k8s.crd import NAME_MAX
+from splitserve.hosts.k8s.replicas import Unrealisable
 
 GPU = "nvidia.com/gpu"
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

@@ -3,7 +3,7 @@ the one law next to the operator, `splitserve up --autoscale` and the simulator.
 an `AutoscalingContext` per deployment; it observes the cluster as every actuator does (`Observer`: the Redis
 registry, the gateways' and workers' /metrics), calls `law.decide` through the shared `Autoscaler`, and returns
 each role's replicas. The law's `ControllerState` is its only memory: the deployments' own delays are zero
-(`ray_app` sets them), so Serve adds no second hysteresis, only each role's minReplicas..maxReplicas.
+(`app` sets them), so Serve adds no second hysteresis, only each role's minReplicas..maxReplicas.
 
 `Directory` owns the one thing Ray adds to the wire: where an application's Redis and its gateways' /metrics
 are, in Ray's internal key-value store, so the policy (in Serve's controller) finds what replicas started.

@@ -22,11 +22,12 @@ import math
 import re
 from typing import Any
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.checks import gpus_per_pod
 from splitserve.common.config import ClusterResource, ClusterSpec, RoleSpec
 from splitserve.common.model_files import EMBEDDED
-from splitserve.vllm_engine.server import VllmPorts, command, disaggregated, environment
+from splitserve.hosts.common import redis_options, worker_argv
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.checks import gpus_per_pod
+from splitserve.vllm_engine import server as vllm_server
 
 WORKER_PORT_NAMES = ("grpc", "metrics")
 
@@ -164,9 +165,10 @@ def _http_probe(path: str, port: str, period: int, failures: int) -> dict[str, A
 
 
 def worker_command(role: str) -> list[str]:
-    """A worker's command line (POD_NAME and POD_IP come from the downward API)."""
-    return ["splitserve", "worker", "--config", names.CONFIG_PATH, "--role", role, "--host", "0.0.0.0",
-            "--name", "$(POD_NAME)", "--advertise-host", "$(POD_IP)"]
+    """A worker's command line: the image's `splitserve`, named and advertised as its pod (POD_NAME and POD_IP
+    come from the downward API), its ports the role's own from the rendered config."""
+    return worker_argv(role, names.CONFIG_PATH, "0.0.0.0", "$(POD_NAME)", program=["splitserve"],
+                       advertise_host="$(POD_IP)")
 
 
 def gateway_command() -> list[str]:
@@ -273,11 +275,11 @@ def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
     """(the vLLM server's container, the volumes only it mounts) of a worker pod with engine vllm."""
     cluster, images, k8s = _on_pod_device(resource.spec, spec), resource.spec.images, resource.spec.kubernetes
     v = cluster.vllm
-    ports = VllmPorts(v.port, v.events_port, v.side_channel_port)
+    ports = vllm_server.VllmPorts(v.port, v.events_port, v.side_channel_port)
     # The image runs as the pod's user under a read-only root: HOME (HF, vLLM, Triton and FlashInfer caches)
     # and /tmp (TorchInductor, vLLM's IPC sockets) are an emptyDir of its own.
     env: list[dict[str, Any]] = [{"name": "HOME", "value": names.TMP_DIR}, {"name": "USER", "value": VLLM_USER}]
-    for key, value in environment(cluster, role, ports, side_channel_host=_POD_IP).items():
+    for key, value in vllm_server.environment(cluster, role, ports, side_channel_host=_POD_IP).items():
         # the NIXL handshake address the other servers dial: this pod's IP
         env.append(_field_env(key, "status.podIP") if value == _POD_IP else {"name": key, "value": value})
     secret = cluster.redis.url_secret
@@ -300,7 +302,7 @@ def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
         "name": "vllm",
         "image": images.vllm,
         "imagePullPolicy": images.pull_policy,
-        "command": command(cluster, role, _model_dir(resource), ports, python="python3"),
+        "command": vllm_server.command(cluster, role, _model_dir(resource), ports, python="python3"),
         "env": env,
         # loading, profiling and compiling take up to vllm.startupSeconds; the worker beside it waits as long
         "startupProbe": _python_probe(health, VLLM_PROBE_PERIOD, math.ceil(v.startup_seconds / VLLM_PROBE_PERIOD)),
@@ -310,7 +312,7 @@ def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
         "volumeMounts": mounts,
         "securityContext": _security_context(resource),
     }
-    if disaggregated(cluster, role):  # the other servers dial its NIXL handshake
+    if vllm_server.disaggregated(cluster, role):  # the other servers dial its NIXL handshake
         container["ports"] = [{"name": "nixl", "containerPort": v.side_channel_port, "protocol": "TCP"}]
     return container, volumes
 
@@ -349,8 +351,7 @@ def redis_pod(resource: ClusterResource, pod_labels: dict[str, str]) -> dict[str
         "name": "redis",
         "image": images.redis,
         "imagePullPolicy": images.pull_policy,
-        "args": ["--save", "", "--appendonly", "no", "--maxmemory", resource.spec.kv_pool.max_memory,
-                 "--maxmemory-policy", "volatile-lru", "--notify-keyspace-events", "Ee"],
+        "args": redis_options(resource.spec.kv_pool.max_memory),
         "ports": [{"name": "redis", "containerPort": names.REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 3},

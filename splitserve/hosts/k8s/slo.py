@@ -29,10 +29,10 @@ from splitserve.autoscaler.actuator import Autoscaler, default_profile, forget, 
 from splitserve.autoscaler.law_state import ControllerState
 from splitserve.autoscaler.observations import Observation
 from splitserve.autoscaler.observer import Observer
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.replicas import Observed, Unrealisable, Wanted, spec_or_scale
 from splitserve.autoscaler.profile import ReplicaProfile
 from splitserve.common.config import ClusterSpec
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.replicas import Observed, Unrealisable, Wanted, spec_or_scale
 
 log = logging.getLogger("splitserve.operator.slo")
 ObserverFactory = Callable[[str, str, ClusterSpec], Observer | Callable[..., Observation]]

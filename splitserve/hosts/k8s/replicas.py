@@ -1,5 +1,5 @@
 """How many workers each role gets: a `DesiredReplicas` provider says what is wanted (the spec, the scale
-subresource, or the SLO control law: `operator/slo.py`), then the cluster's hard bounds (min/max, the
+subresource, or the SLO control law: `slo.py`), then the cluster's hard bounds (min/max, the
 prefill:decode ratio, the GPU budget; `autoscaler.bounds`, shared with the control law) clamp it. A bound that
 no pair can meet is `Unrealisable`: the operator reports it as Degraded instead of applying anything.
 """

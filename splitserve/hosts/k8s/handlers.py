@@ -13,9 +13,9 @@ from typing import Any
 
 import kopf
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.kube import KubeError
-from splitserve.autoscaler.operator.reconcile import Deps, delete_children, reconcile
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.kube import KubeError
+from splitserve.hosts.k8s.reconcile import Deps, delete_children, reconcile
 
 RETRY_DELAY_S = 10.0
 

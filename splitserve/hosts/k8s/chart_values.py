@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from splitserve.autoscaler.operator.pods import RESTRICTED_CONTAINER, RESTRICTED_POD
 from splitserve.common.config import ClusterSpec, LocalObjectReference, Port, Spec
 from splitserve.common.config_file import json_schema
+from splitserve.hosts.k8s.pods import RESTRICTED_CONTAINER, RESTRICTED_POD
 
 
 class OperatorValues(Spec):

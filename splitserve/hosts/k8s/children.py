@@ -11,12 +11,13 @@ from typing import Any
 
 import yaml
 
-from splitserve.autoscaler.operator import names
-from splitserve.autoscaler.operator.checks import check
-from splitserve.autoscaler.operator.pods import gateway_pod, redis_pod, worker_pod
-from splitserve.autoscaler.operator.replicas import Observed, ReplicaDecision, decide, spec_or_scale
 from splitserve.common.config import ClusterResource, Metadata
 from splitserve.common.config_file import dump
+from splitserve.hosts.common import worker_pools
+from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.checks import check
+from splitserve.hosts.k8s.pods import gateway_pod, redis_pod, worker_pod
+from splitserve.hosts.k8s.replicas import Observed, ReplicaDecision, decide, spec_or_scale
 
 # Fields that change without a restart (the operator acts on them), left out of the pods' config hash.
 _NO_RESTART_ROLE_KEYS = ("replicas", "minReplicas", "maxReplicas")
@@ -27,13 +28,6 @@ def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
     meta = body["metadata"]
     return {"apiVersion": body.get("apiVersion", names.CLUSTER.api_version), "kind": names.CLUSTER.kind,
             "name": meta["name"], "uid": meta.get("uid"), "controller": True, "blockOwnerDeletion": True}
-
-
-def worker_roles(resource: ClusterResource) -> list[tuple[str, str]]:
-    """(component, worker --role) of each worker pool: colocated clusters run `decode` workers as `both`."""
-    if resource.spec.mode == "colocated":
-        return [(names.DECODE, "both")]
-    return [(names.PREFILL, "prefill"), (names.DECODE, "decode")]
 
 
 def rendered(resource: ClusterResource, decision: ReplicaDecision) -> ClusterResource:
@@ -141,7 +135,7 @@ class Renderer:
         out = [self.config_map()]
         if self.resource.spec.redis.mode == "bundled":
             out += self.redis()
-        for component, role in worker_roles(self.resource):
+        for component, role in worker_pools(self.resource.spec):  # a pool's component is named after it
             out += self.workers(component, role)
         return out + self.gateway()
 
