@@ -48,6 +48,13 @@ TRACES = Path(os.environ.get("SPLITSERVE_TRACES", ROOT.parent / "shared" / "trac
 GPU_PROFILE = PROFILE_DIR / "h200_8b.json"
 GPU_STEPS = RESULTS / "sim_calibration_h200_8b_steps.json"
 CPU_PROFILE = PROFILE_DIR / "cpu2_smollm2.json"
+# s from start to ready on an H200 (random weights; main at afe4338): native 13-19 s, vllm 99-148 s (torch.compile,
+# CUDA graphs); the profile plans with the top of each range, rounded up for reading 16 GB of real weights
+H200_COLD_STARTS = {"native": 20.0, "vllm": 150.0}
+H200_COLD_START_NOTE = ("cold starts: the top of what an H200 measured from start to ready with random weights "
+                        "(native 13-19 s, vllm 99-148 s: torch.compile and CUDA graphs), rounded up for reading 16 GB "
+                        "of weights; flip_seconds: an assumption (re-registration and the gateways' view; a flipping "
+                        "worker's drain is its own requests')")
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,8 @@ def trace_rows(case: TraceCase):
     return trace.read_trace(TRACES / case.file, max_input=case.max_input)
 
 
-def experiment(case: TraceCase, duration: float | None, gpus: int, seed: int = 0, model_load_s: float | None = None):
+def experiment(case: TraceCase, duration: float | None, gpus: int, seed: int = 0, cold_start_s: float = 60.0,
+               flips: bool = False):
     from splitserve.autoscaler.profile import ReplicaProfile
     from splitserve.autoscaler.sim import trace
     from splitserve.autoscaler.sim.experiment import Experiment
@@ -89,8 +97,9 @@ def experiment(case: TraceCase, duration: float | None, gpus: int, seed: int = 0
 
     requests = trace.scale(trace_rows(case), rate_scale=case.rate_scale, duration_s=duration, seed=seed)
     spec = ClusterSpec()
-    if model_load_s is not None:  # the simulated cold start, and the law's modelLoadSeconds measured to match
-        spec.autoscaling.model_load_seconds = model_load_s
+    # the simulated cold start, and the law's coldStartSeconds measured to match (60 s: the rounds before flips)
+    spec.autoscaling.cold_start_seconds = cold_start_s
+    spec.autoscaling.role_flips = flips
     spec.autoscaling.mode = "slo"
     spec.autoscaling.gpu_budget = gpus
     for role in (spec.prefill, spec.decode):
@@ -222,7 +231,7 @@ def benchmark(names: list[str], duration: float | None, gpus: int, jobs: int, pl
                       "requests": len(exp.requests), "slo": {"ttft_s": exp.spec.slo.ttft_seconds,
                                                              "itl_s": exp.spec.slo.itl_seconds},
                       "profile": exp.profile.name, "router": router,
-                      "model_load_s": exp.spec.autoscaling.model_load_seconds,
+                      "cold_start_s": exp.spec.autoscaling.cold_start_seconds,
                       "initial": list(initial), "oracle_windows": windows,
                       "policies": rows, "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
             path.write_text(json.dumps(result, indent=1) + "\n")
@@ -243,7 +252,7 @@ def task_robust(case: TraceCase, duration: float | None, gpus: int, policy: str,
                 initial: tuple[int, int]) -> dict[str, Any]:
     """One law under one robustness variant: another seed (other copies' jitter), a profile wrong by 20% (the
     simulated cluster's steps scaled, the law keeps the committed profile) or another cold start (simulated and
-    the law's modelLoadSeconds alike: it is measured)."""
+    the law's coldStartSeconds alike: it is measured)."""
     from dataclasses import replace
 
     from splitserve.autoscaler.profile import StepCost
@@ -251,7 +260,7 @@ def task_robust(case: TraceCase, duration: float | None, gpus: int, policy: str,
     from splitserve.autoscaler.sim.simulator import simulate
 
     seed, k, load = ROBUSTNESS[variant]
-    exp = experiment(case, duration, gpus, seed=seed, model_load_s=load)
+    exp = experiment(case, duration, gpus, seed=seed, cold_start_s=load or 60.0)
     c = exp.profile.cost
     truth = replace(exp.profile, cost=StepCost(c.base_s * k, c.per_seq_s * k, c.per_token_s * k, c.knee_tokens,
                                                c.per_ctx_token_s * k, c.per_attn_pair_s * k))
@@ -390,7 +399,7 @@ def task_bound_run(case: TraceCase, duration: float | None, gpus: int, plans: li
     from splitserve.autoscaler.sim.report import summary
     from splitserve.autoscaler.sim.simulator import simulate
 
-    exp = experiment(case, duration, gpus, model_load_s=cold_start_s)
+    exp = experiment(case, duration, gpus, cold_start_s=cold_start_s)
     law = ForesightLaw([(p, d) for p, d in plans], BOUND_WINDOW_S, cold_start_s, margin,
                        interval_s=exp.spec.autoscaling.interval_seconds)
     res = simulate(exp.requests, settings_of(exp), law, law.at(0.0))
@@ -414,7 +423,7 @@ def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) 
     base = trace_results(name, duration, "the bound is priced against its oracle")
     oracle_s = base["policies"]["oracle"]["gpu_seconds"]
     exp, onsets = burst_onsets(case, duration, gpus)
-    lead = exp.spec.autoscaling.model_load_seconds
+    lead = exp.spec.autoscaling.cold_start_seconds
     n = math.floor(exp.requests[-1].arrival / BOUND_WINDOW_S) + 1
     margins = BOUND_MARGINS if case.file == "generated:bursty" else BOUND_MARGINS_CLUMPS
     refs = {"foresight": (None, lead)} | {f"onset-blind@{c:g}": (c, c) for c in (lead, *BOUND_SHORTER_STARTS)}
@@ -700,12 +709,15 @@ def measure_gpu() -> dict[str, Any]:
 
 
 def fit_gpu() -> dict[str, Any]:
+    from dataclasses import replace
+
     from splitserve.autoscaler.sim.calibrate import fit_gpu_profile, kv_case, measured_prefill_steps
 
     gpu = json.loads((RESULTS / "gpu_engine_nvidia_h200.json").read_text())
     steps = measured_prefill_steps(GPU_STEPS) if GPU_STEPS.exists() else []
     prof = fit_gpu_profile(gpu, kv_case(RESULTS / "kv_transfer_nixl_cuda_2xh200.txt", "llama8b_3k"),
-                           prefill_steps=steps)
+                           prefill_steps=steps, cold_start_seconds=H200_COLD_STARTS)
+    prof = replace(prof, source=prof.source | {"cold_start_note": H200_COLD_START_NOTE})
     prof.save(GPU_PROFILE)
     worst = max(abs(e["error"]) for e in prof.source["errors"])
     print(f"{prof.name}: {prof.cost}\nworst fitted step error {worst:.1%}; wrote {GPU_PROFILE}")
@@ -786,9 +798,10 @@ def validate(port: int, poisson_n: int, trace_n: int, rate: float, resimulate: b
                                                        "trace_requests": trace_n, "machine": machine()}
     measured = out["measured"]
     profile = ReplicaProfile.load(CPU_PROFILE)
-    if profile.model_load_seconds != out["up_ready_s"]:  # the measured start-to-ready time of `splitserve up`
-        profile = replace(profile, model_load_seconds=out["up_ready_s"], source=profile.source | {
-            "model_load_note": "splitserve up start to ready (gateway + 1 prefill + 1 decode), from --validate"})
+    if profile.cold_start("native") != out["up_ready_s"]:  # the measured start-to-ready time of `splitserve up`
+        profile = replace(profile, cold_start_seconds=profile.cold_start_seconds | {"native": out["up_ready_s"]},
+                          source=profile.source | {"cold_start_note": "native: splitserve up start to ready "
+                                                   "(gateway + 1 prefill + 1 decode), from --validate"})
         profile.save(CPU_PROFILE)
 
     def scaled(prof: ReplicaProfile, k: float) -> ReplicaProfile:

@@ -15,8 +15,9 @@ a static P:D, and the anchors' laws as their documentation describes them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from splitserve.autoscaler.flips import RoleFlip
 from splitserve.autoscaler.law import ControllerState, LawConfig, ScalingDecision, decide
 from splitserve.autoscaler.observations import Observation
 from splitserve.autoscaler.profile import ReplicaProfile
@@ -29,6 +30,16 @@ class ScalingLaw(Protocol):
 
     def decide(self, obs: Observation) -> tuple[int, int, str]:
         """(prefill replicas, decode replicas, reason)."""
+        ...
+
+
+@runtime_checkable
+class FlipPlanner(Protocol):
+    """A law that plans its own role flips (the simulator asks it after `decide`; a law that does not gets the
+    actuator's rule, `flips.flips_between` its targets)."""
+
+    def last_flip(self) -> RoleFlip | None:
+        """The flip the last decision asked for, its workers counted in the desired replicas."""
         ...
 
 
@@ -47,6 +58,9 @@ class SLOLaw:
         self.last = decide(obs, self.state, self.config)
         self.state = self.last.state
         return self.last.prefill.desired, self.last.decode.desired, self.last.reason
+
+    def last_flip(self) -> RoleFlip | None:
+        return self.last.flip if self.last is not None else None
 
 
 @dataclass
