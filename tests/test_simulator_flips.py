@@ -112,3 +112,17 @@ def test_the_profile_gives_the_cold_start_of_the_engine_and_the_flip_time():
     assert (s.load_s, s.switch_s) == (5.0, 1.5)
     assert replace(s, engine="vllm").load_s == 40.0
     assert replace(s, engine="vllm", cold_start_s=7.0, flip_s=0.5).load_s == 7.0
+
+
+def test_a_reference_planning_flips_keeps_its_total_and_moves_its_split_a_flip_ahead():
+    """The bound's reference with flips: its total follows the plans a cold start ahead (the largest window's
+    total, not each role's largest), its split the plans a flip ahead."""
+    from splitserve.autoscaler.sim.laws import ForesightLaw
+
+    plans = [(2, 6), (6, 2), (2, 6)]  # the total is 8 throughout; the split swings
+    plain = ForesightLaw(plans, window_s=10.0, lead_s=20.0)
+    assert plain.at(0.0) == (6, 6)  # each role's largest over the next cold start: 12 replicas
+    flipping = ForesightLaw(plans, window_s=10.0, lead_s=20.0, split_plans=plans, split_lead_s=0.0)
+    assert [flipping.at(t) for t in (0.0, 10.0, 20.0)] == [(2, 6), (6, 2), (2, 6)]  # 8 throughout
+    margin = ForesightLaw(plans, window_s=10.0, lead_s=20.0, margin=(1, 1), split_plans=plans, split_lead_s=0.0)
+    assert sum(margin.at(0.0)) == 10 and margin.at(10.0) == (7, 3)
