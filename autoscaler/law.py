@@ -1,39 +1,7 @@
-"""The control law: `decide(observation, state, config)` → a `ScalingDecision` (desired prefill and decode
-replicas, a reason, the next state). A pure function: no clock, no I/O; Kubernetes, `splitserve up` and the
-simulator are its actuators.
-
-Two loops per role, then the hard bounds:
-- the slow planner, every `planner_interval_s`, sizes the pool from the forecast need (planner.py) read a
-  model load time ahead, at `target_utilization` of each replica's capacity at the SLO, plus `warm_replicas`;
-- the fast loop, every call, reacts to a burst (a prefill queue that takes longer than part of the TTFT
-  objective to drain; decode requests waiting for KV or seats) and to SLO misses, attributed to the role
-  whose queue explains them; it sizes for the load now plus the backlog at full utilisation, skipping the
-  planner's schedule (prefill's queue budget: what a long prompt's own prefill leaves of the TTFT objective);
-- burst memory: a burst's need is kept as the role's peak, halving every `burst_memory_s` (2x the scale-down
-  cooldown); while it is above the plan the role keeps capacity for it at full utilisation (bursts shorter than a cold start can only be
-  served by replicas already there);
-- two slow corrections learned from measurements: prefill's busy time against the profile's prediction, and
-  an integral loop that lowers a role's target utilisation while its latency p90 misses the objective (and
-  raises it, up to `max_utilization`, while every p90 is well inside; a decode pool whose batch KV does not
-  bound up to `decode_compute_utilization`, above 1: its flat-out need prices decode tokens in decode-only steps);
-- smooth load, sized tighter: while the prompt load of the last `smooth_window_s` varies little (`_smooth`),
-  decode's batch is sized at the mean prompt it serves instead of the long ones prefill receives, prefill
-  may scale down after `smooth_prefill_hold_s` (or three cold starts, if longer) instead of the cooldown;
-  and where decode takes the prompts the router spills from a backed-up prefill queue (`_decode_takes_spills`:
-  the router spills and KV does not bound decode's batch), neither role keeps burst memory, prefill's
-  stabilisation window forgets its busiest 15-s windows, and prefill's plan counts decode's spare compute
-  (`_decode_spare`), down to half of it, and the SLO loop reads their latency tail as the spills' noise (`_slack`).
-  On clumped load that slack is what holds the next clump, so it stays;
-- a decode pool KV bounds plans for the largest need of the trend window and `KV_PEAK_MARGIN` more: its load is a
-  stock of long contexts whose surges fill the cache faster than a cold start.
-Scale-up: to the larger of the two targets, at most once per `scale_up_cooldown_s`. Scale-down: only when the
-utilisation would stay under `low_utilization`, no pressure is seen, `scale_down_cooldown_s` has passed since
-the role's last change, and to the largest target recommended over the stabilisation window (the cooldown,
-stretched after a scale-down a burst within a cold start proved wrong; no flapping); for prefill, also to what
-the window's own load needed flat out (a clump absorbed without a burst). Decode learns a floor from a burst
-that follows a scale-down (`floor_memory_s`). The state is
-`law_state.ControllerState`, versioned JSON an actuator may keep durable (the operator: status.lawState). Finally `bounds.clamp` applies min/max, the
-ratio bounds and the GPU budget.
+"""The control law: `decide(observation, state, config)` -> a `ScalingDecision`: desired prefill and decode
+replicas, the role flips that reach them first, a reason and the next state. A pure function (no clock, no I/O)
+that the operator, `splitserve up --autoscale`, the Ray application and the simulator apply; docs/autoscaling.md
+describes its loops, its memories and why each is there.
 """
 
 from __future__ import annotations
@@ -88,6 +56,7 @@ class LawConfig:
     cold_start_s: float = 60.0  # s from asking for a replica to its first request: the forecast's lead
     flips: bool = False  # workers can move between the roles (`flips.RoleFlip`); False: starts and stops only
     flip_s: float = 5.0  # s a drained worker takes to serve the other role
+    keep_memory: bool = False  # EXPERIMENT
     warm_replicas: int = 0  # replicas per role kept above the planned need
     target_utilization: float = 0.8  # of a replica flat out, where a change lands (prefill: or lower, for TTFT)
     high_utilization: float = 0.9  # above this (forecast), scale up (scaled with the target for prefill)
@@ -355,6 +324,9 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
     rs = replace(rs, recent=recent)
 
     keep = _at(max(planned, need), high) + c.warm_replicas
+    if c.keep_memory:  # EXPERIMENT
+        keep = max(keep, _at(peak, c.max_utilization) + c.warm_replicas if peak > planned else 0,
+                   math.ceil(_floor(rs, now, c) - 1e-9) if role == "decode" else 0)
 
     def plan(replicas: int, reason: str) -> _Plan:
         return _Plan(replicas, reason, rs, need, planned, u, burst, keep)
