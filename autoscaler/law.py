@@ -1,39 +1,7 @@
-"""The control law: `decide(observation, state, config)` → a `ScalingDecision` (desired prefill and decode
-replicas, a reason, the next state). A pure function: no clock, no I/O; Kubernetes, `splitserve up` and the
-simulator are its actuators.
-
-Two loops per role, then the hard bounds:
-- the slow planner, every `planner_interval_s`, sizes the pool from the forecast need (planner.py) read a
-  model load time ahead, at `target_utilization` of each replica's capacity at the SLO, plus `warm_replicas`;
-- the fast loop, every call, reacts to a burst (a prefill queue that takes longer than part of the TTFT
-  objective to drain; decode requests waiting for KV or seats) and to SLO misses, attributed to the role
-  whose queue explains them; it sizes for the load now plus the backlog at full utilisation, skipping the
-  planner's schedule (prefill's queue budget: what a long prompt's own prefill leaves of the TTFT objective);
-- burst memory: a burst's need is kept as the role's peak, halving every `burst_memory_s` (2x the scale-down
-  cooldown); while it is above the plan the role keeps capacity for it at full utilisation (bursts shorter than a cold start can only be
-  served by replicas already there);
-- two slow corrections learned from measurements: prefill's busy time against the profile's prediction, and
-  an integral loop that lowers a role's target utilisation while its latency p90 misses the objective (and
-  raises it, up to `max_utilization`, while every p90 is well inside; a decode pool whose batch KV does not
-  bound up to `decode_compute_utilization`, above 1: its flat-out need prices decode tokens in decode-only steps);
-- smooth load, sized tighter: while the prompt load of the last `smooth_window_s` varies little (`_smooth`),
-  decode's batch is sized at the mean prompt it serves instead of the long ones prefill receives, prefill
-  may scale down after `smooth_prefill_hold_s` (or three cold starts, if longer) instead of the cooldown;
-  and where decode takes the prompts the router spills from a backed-up prefill queue (`_decode_takes_spills`:
-  the router spills and KV does not bound decode's batch), neither role keeps burst memory, prefill's
-  stabilisation window forgets its busiest 15-s windows, and prefill's plan counts decode's spare compute
-  (`_decode_spare`), down to half of it, and the SLO loop reads their latency tail as the spills' noise (`_slack`).
-  On clumped load that slack is what holds the next clump, so it stays;
-- a decode pool KV bounds plans for the largest need of the trend window and `KV_PEAK_MARGIN` more: its load is a
-  stock of long contexts whose surges fill the cache faster than a cold start.
-Scale-up: to the larger of the two targets, at most once per `scale_up_cooldown_s`. Scale-down: only when the
-utilisation would stay under `low_utilization`, no pressure is seen, `scale_down_cooldown_s` has passed since
-the role's last change, and to the largest target recommended over the stabilisation window (the cooldown,
-stretched after a scale-down a burst within a cold start proved wrong; no flapping); for prefill, also to what
-the window's own load needed flat out (a clump absorbed without a burst). Decode learns a floor from a burst
-that follows a scale-down (`floor_memory_s`). The state is
-`law_state.ControllerState`, versioned JSON an actuator may keep durable (the operator: status.lawState). Finally `bounds.clamp` applies min/max, the
-ratio bounds and the GPU budget.
+"""The control law: `decide(observation, state, config)` -> a `ScalingDecision`: desired prefill and decode
+replicas, the role flips that reach them first, a reason and the next state. A pure function (no clock, no I/O)
+that the operator, `splitserve up --autoscale`, the Ray application and the simulator apply; docs/autoscaling.md
+describes its loops, its memories and why each is there.
 """
 
 from __future__ import annotations
@@ -44,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from splitserve.autoscaler.bounds import Bounds, clamp
+from splitserve.autoscaler.flips import RoleFlip, flip_seconds, other
 from splitserve.autoscaler.law_state import ROLES, ControllerState, RoleState
 from splitserve.autoscaler.observations import Observation, Percentiles, RoleObservation
 from splitserve.autoscaler.planner import Needs, forecast, needs
@@ -84,7 +53,10 @@ class LawConfig:
     scale_up_cooldown_s: float = 30.0  # least time between two scale-ups of a role
     scale_down_cooldown_s: float = 300.0  # least time after a role's last change before it scales down
     planner_interval_s: float = 60.0  # the slow loop's period
-    model_load_s: float = 60.0  # s from asking for a replica to its first request: the forecast's lead
+    cold_start_s: float = 60.0  # s from asking for a replica to its first request: the forecast's lead
+    flips: bool = False  # workers can move between the roles (`flips.RoleFlip`); False: starts and stops only
+    flip_s: float = 5.0  # s a drained worker takes to serve the other role
+    keep_memory: bool = False  # EXPERIMENT
     warm_replicas: int = 0  # replicas per role kept above the planned need
     target_utilization: float = 0.8  # of a replica flat out, where a change lands (prefill: or lower, for TTFT)
     high_utilization: float = 0.9  # above this (forecast), scale up (scaled with the target for prefill)
@@ -119,7 +91,10 @@ class LawConfig:
         values: dict[str, Any] = dict(
             profile=profile, bounds=bounds, ttft_s=spec.slo.ttft_seconds, itl_s=spec.slo.itl_seconds,
             scale_up_cooldown_s=a.scale_up_cooldown_seconds, scale_down_cooldown_s=a.scale_down_cooldown_seconds,
-            planner_interval_s=a.planner_interval_seconds, model_load_s=a.model_load_seconds,
+            planner_interval_s=a.planner_interval_seconds,
+            cold_start_s=a.cold_start_seconds or profile.cold_start(spec.engine_of("decode")),
+            flips=a.role_flips and spec.mode == "disaggregated",
+            flip_s=profile.flip_seconds if a.flip_seconds is None else a.flip_seconds,
             warm_replicas=a.warm_replicas, target_utilization=target,
             high_utilization=min(1.0, target + 0.1), low_utilization=max(0.05, target - 0.2),
             spills=spec.router.spill.prefill_backlog_tokens > 0)
@@ -148,6 +123,7 @@ class ScalingDecision:
     decode: RoleDecision
     clamps: tuple[str, ...]  # the bounds that moved the loops' targets
     state: ControllerState
+    flip: RoleFlip | None = None  # workers moved between the roles first (counted in `prefill`/`decode`)
 
     @property
     def replicas(self) -> dict[str, int]:
@@ -160,11 +136,13 @@ class ScalingDecision:
     @property
     def reason(self) -> str:
         text = f"prefill {self.prefill.reason}; decode {self.decode.reason}"
+        text += f"; flip {self.flip.workers} {self.flip.source}->{self.flip.target}: {self.flip.reason}" if self.flip else ""
         return text + (f"; clamped by {', '.join(self.clamps)}" if self.clamps else "")
 
     def as_status(self) -> dict[str, Any]:
         """JSON for the custom resource's status, the exported metrics and the local launcher's log."""
         return {"time": self.time, "reason": self.reason, "clamps": list(self.clamps),
+                "flip": self.flip.as_status() if self.flip else None,
                 **{r.role: {"current": r.current, "desired": r.desired, "action": r.action, "reason": r.reason,
                             "need": round(r.need, 3), "planned": round(r.planned, 3),
                             "utilization": round(r.utilization, 3)}
@@ -181,6 +159,8 @@ class _Plan:
     need: float
     planned: float
     utilization: float
+    burst: bool = False  # the fast loop saw pressure on this role now
+    keep: int = 0  # the fewest replicas that carry the role's need without a scale-up (what a flip may leave)
 
 
 def decide(obs: Observation, state: ControllerState, config: LawConfig) -> ScalingDecision:
@@ -190,7 +170,7 @@ def decide(obs: Observation, state: ControllerState, config: LawConfig) -> Scali
     smooth = _smooth(load, config)
     n = needs(obs, config.profile, config.ttft_s, config.itl_s, decode_at_every_prompt=smooth)
     if smooth:
-        hold = max(config.smooth_prefill_hold_s, SMOOTH_HOLD_COLD_STARTS * config.model_load_s)
+        hold = max(config.smooth_prefill_hold_s, SMOOTH_HOLD_COLD_STARTS * config.cold_start_s)
         config = replace(config, prefill_scale_down_s=min(_base_hold("prefill", config), hold))
     # on a smooth load whose spills decode can take, a queue or a busy window is noise that the spills and the
     # SLO loop absorb: no burst memory, no busiest-window hold, and decode's spare compute counts for prefill
@@ -204,21 +184,63 @@ def decide(obs: Observation, state: ControllerState, config: LawConfig) -> Scali
         plans["prefill"] = _Plan(0, "none (colocated)", state.prefill, 0.0, 0.0, 0.0)
     floors = (math.ceil(plans["prefill"].need - 1e-9), math.ceil(plans["decode"].need - 1e-9))
     p, d, notes = clamp(plans["prefill"].target, plans["decode"].target, config.bounds, floors)
+    wanted = {"prefill": p, "decode": d}
+    flip = _flip(obs, plans, n, wanted, config) if config.flips and config.bounds.disaggregated else None
+    desired_of = dict(wanted)
+    if flip is not None:  # the workers it gives count in the other role now
+        desired_of[flip.source] = min(wanted[flip.source], obs.role(flip.source).replicas - flip.workers)
     out: dict[str, tuple[RoleDecision, RoleState]] = {}
-    for role, desired in (("prefill", p), ("decode", d)):
+    for role, desired in desired_of.items():
         plan = plans[role]
         current = obs.role(role).replicas
         action = "up" if desired > current else "down" if desired < current else "hold"
-        reason = plan.reason + (f" -> {desired} (bounds)" if desired != plan.target else "")
+        reason = plan.reason + (f" -> {wanted[role]} (bounds)" if wanted[role] != plan.target else "")
+        if flip is not None and role in (flip.source, flip.target):
+            reason += f" ({flip.workers} by flip {'to' if role == flip.source else 'from'} "
+            reason += f"{flip.target if role == flip.source else flip.source})"
         rs = plan.state
         if action == "up":
             rs = replace(rs, last_up=obs.time, last_change=obs.time)
-        elif action == "down":
+        elif action == "down" and wanted[role] < current:  # its own scale-down (a flip alone is none: undone in seconds)
             rs = replace(rs, last_change=obs.time, last_down=obs.time, down_from=current)
         out[role] = (RoleDecision(role, current, desired, action, reason, plan.need, plan.planned,
                                   plan.utilization), rs)
     new_state = ControllerState(prefill=out["prefill"][1], decode=out["decode"][1], load=load)
-    return ScalingDecision(obs.time, out["prefill"][0], out["decode"][0], tuple(notes), new_state)
+    return ScalingDecision(obs.time, out["prefill"][0], out["decode"][0], tuple(notes), new_state, flip)
+
+
+def _flip(obs: Observation, plans: dict[str, _Plan], n: Needs, wanted: dict[str, int], c: LawConfig
+          ) -> RoleFlip | None:
+    """Flip first: a role that wants more replicas takes them from the other role where that role has more than
+    it needs (it does not want more itself, sees no pressure now, and keeps what carries its planned need below
+    its scale-up threshold), when a flip serves sooner than a start. Only the rest is started. A flip is undone
+    in seconds, so the giving role's hysteresis (cooldowns, stabilisation window, burst memory: insurance
+    against a cold start) does not hold it back."""
+    for target in ROLES:
+        source = other(target)
+        short = wanted[target] - obs.role(target).replicas
+        have = obs.role(source).replicas
+        giver = plans[source]
+        if short <= 0 or wanted[source] > have or giver.burst:
+            continue
+        keep = max(c.bounds.prefill_min if source == "prefill" else c.bounds.decode_min, giver.keep)
+        k = min(short, have - min(wanted[source], keep))
+        while k > 0 and not c.bounds.feasible(*_pair(target, wanted[target], min(wanted[source], have - k))):
+            k -= 1
+        if k <= 0:
+            continue
+        seconds = flip_seconds(source, obs, n, c.flip_s)
+        if seconds >= c.cold_start_s:  # a start serves as soon
+            continue
+        return RoleFlip(source, target, k, f"{target} short by {short}; {source} carries its need on {have - k} "
+                                           f"(keeps {keep}); a flip takes ~{seconds:.0f} s, a start "
+                                           f"{c.cold_start_s:g} s", seconds)
+    return None
+
+
+def _pair(role: str, replicas: int, other_replicas: int) -> tuple[int, int]:
+    """(prefill, decode) from one role's count and the other's."""
+    return (replicas, other_replicas) if role == "prefill" else (other_replicas, replicas)
 
 
 def _smooth(load: tuple[tuple[float, float], ...], c: LawConfig) -> bool:
@@ -270,7 +292,7 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
     recent_need = [v for t, v in history if now - t < c.smoothing_s]
     smooth_need = sum(recent_need) / len(recent_need)  # one bursty window is the fast loop's, not the plan's
     if rs.planned is None or now - rs.planned_at >= c.planner_interval_s:
-        ahead = forecast(history, now, c.model_load_s + c.planner_interval_s, c.trend_window_s / 2,
+        ahead = forecast(history, now, c.cold_start_s + c.planner_interval_s, c.trend_window_s / 2,
                          c.max_forecast_growth)
         rs = replace(rs, planned=max(smooth_need, ahead), planned_at=now)
     planned = max(rs.planned or 0.0, smooth_need)  # a rise since the last plan counts at once
@@ -301,8 +323,13 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
     recent = tuple((t, v) for t, v in rs.recent if now - t < rs.hold_s) + ((now, _held(role, target, need, c, shared)),)
     rs = replace(rs, recent=recent)
 
+    keep = _at(max(planned, need), high) + c.warm_replicas
+    if c.keep_memory:  # EXPERIMENT
+        keep = max(keep, _at(peak, c.max_utilization) + c.warm_replicas if peak > planned else 0,
+                   math.ceil(_floor(rs, now, c) - 1e-9) if role == "decode" else 0)
+
     def plan(replicas: int, reason: str) -> _Plan:
-        return _Plan(replicas, reason, rs, need, planned, u)
+        return _Plan(replicas, reason, rs, need, planned, u, burst, keep)
 
     if target > current and (burst or planned > high * max(base, 0) or base <= 0):
         if now - rs.last_up < c.scale_up_cooldown_s:
@@ -310,7 +337,7 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
         return plan(target, f"up {current}->{target}: " + (why or f"planned need {planned:.2f} replicas > "
                                                               f"{high:.2f} of {max(base, 0)}"))
     if burst:
-        return plan(current, f"hold {current}: {why}, " + ("replicas already starting" if ro.replicas_starting
+        return plan(current, f"hold {current}: {why}, " + ("replicas already starting" if ro.replicas_arriving
                                                             else f"which {current} replicas clear"))
     stable = max(v for _, v in recent)
     if (stable < current and planned < low * base and _calm(role, ro, c)
@@ -326,7 +353,7 @@ def _burst_floor(role: str, ro: RoleObservation, current: int) -> int:
     sizing may not see yet). Prefill: none beyond what the burst's load and backlog need: a queue those replicas
     clear is a clump already draining, and a replica bought for it loads after it is gone (on the Azure traces
     the +1 of every such window ratcheted prefill to twice the oracle's size)."""
-    if role == "decode" and ro.replicas_starting == 0:
+    if role == "decode" and ro.replicas_arriving == 0:
         return ro.replicas + 1
     return current
 
@@ -396,7 +423,7 @@ def _hold(role: str, rs: RoleState, burst: bool, now: float, c: LawConfig) -> Ro
     base = _base_hold(role, c)
     hold = rs.hold_s or base
     if burst:
-        if now - rs.last_down < c.model_load_s + c.scale_up_cooldown_s and now - rs.last_burst > hold / 4:
+        if now - rs.last_down < c.cold_start_s + c.scale_up_cooldown_s and now - rs.last_burst > hold / 4:
             hold = min(c.max_hold_factor * base, 2 * hold)
         return replace(rs, hold_s=hold, last_burst=now)
     if now - rs.last_burst > hold and hold > base:
@@ -447,7 +474,7 @@ def _correct(role: str, ro: RoleObservation, n: Needs, rs: RoleState, c: LawConf
         rs = replace(rs, correction=(1 - c.correction_gain) * rs.correction + c.correction_gain * ratio)
     signals = [(lat, obj) for lat, obj, _ in _latencies(role, ro, c) if lat.p90 is not None]
     # no wind-up: while this role's new replicas load, the misses are already being answered
-    if any(lat.p90 > obj for lat, obj in signals) and ro.replicas_starting == 0:
+    if any(lat.p90 > obj for lat, obj in signals) and ro.replicas_arriving == 0:
         rs = replace(rs, slo_factor=max(c.min_slo_factor, rs.slo_factor * 0.93))
     elif signals and all(_slack(lat, obj, shared and _spill_tail(role, ro)) for lat, obj in signals):
         rs = replace(rs, slo_factor=min(_ceiling(role, ro, c) / c.target_utilization, rs.slo_factor * 1.02))
@@ -575,7 +602,7 @@ def _decode_short(d: RoleObservation, c: LawConfig, step_s: float) -> bool:
 
 def _backlog_need(role: str, ro: RoleObservation, n: Needs, c: LawConfig) -> float:
     """Extra replicas to clear the backlog within a cold start (new replicas help only once loaded)."""
-    horizon = c.model_load_s + c.ttft_s
+    horizon = c.cold_start_s + c.ttft_s
     if role == "prefill":
         return ro.waiting_prefill_tokens / (n.capacity.prefill_raw_tokens_per_s * horizon)
     return ro.num_waiting * ro.mean_output_tokens / (n.capacity.decode_tokens_per_s * horizon)

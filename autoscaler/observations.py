@@ -44,6 +44,7 @@ class RoleObservation:
     replicas_ready: int  # serving (healthy, not draining)
     replicas_starting: int = 0  # asked for, still loading the model
     replicas_draining: int = 0  # finishing their requests before they exit
+    replicas_flipping: int = 0  # coming from the other role by a flip (draining its work there, or switching)
     idle_replicas: int = 0  # ready replicas with nothing running or waiting now
     arrival_rate: float = 0.0  # requests/s this pool received
     input_tokens_per_s: float = 0.0  # prompt tokens/s this pool had to compute (after prefix-cache hits)
@@ -61,8 +62,14 @@ class RoleObservation:
 
     @property
     def replicas(self) -> int:
-        """Replicas the law counts as this pool's (ready + starting; draining ones are on their way out)."""
-        return self.replicas_ready + self.replicas_starting
+        """Replicas the law counts as this pool's (ready, starting and flipping in; draining ones, and ones
+        flipping out, are on their way out)."""
+        return self.replicas_ready + self.replicas_starting + self.replicas_flipping
+
+    @property
+    def replicas_arriving(self) -> int:
+        """Replicas asked for that do not serve yet (loading, or flipping in)."""
+        return self.replicas_starting + self.replicas_flipping
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: a cold start per engine and the flip time (1 had one model_load_seconds, read as native's)
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"  # the committed profiles, shipped in the package
 
 
@@ -61,7 +61,9 @@ class ReplicaProfile:
     max_num_batched_tokens: int = 2048  # the engine's token budget per step
     kv_transfer_gbps: float = 10.0  # GB/s of layer-wise KV streaming between two workers
     kv_transfer_tail_s: float = 0.005  # s from the last layer written to all KV landed
-    model_load_seconds: float = 60.0  # s from starting a worker to its first request (load + warm-up)
+    # s from asking for a worker to its first request (start, weights, warm-up), per engine (native, vllm)
+    cold_start_seconds: dict[str, float] = field(default_factory=lambda: {"native": 60.0})
+    flip_seconds: float = 5.0  # s a drained worker takes to serve the other role (re-register, gateways follow)
     source: dict[str, Any] = field(default_factory=dict)  # provenance: files, fit residuals, measured points
 
     # -- single requests -----------------------------------------------------------------------------------
@@ -89,6 +91,13 @@ class ReplicaProfile:
         """Whole-request KV transfer time at the measured layer-wise bandwidth (s)."""
         return num_tokens * self.kv_bytes_per_token / (self.kv_transfer_gbps * 1e9)
 
+    def cold_start(self, engine: str) -> float:
+        """s from asking for a worker of this engine to its first request, as measured; an engine not measured
+        on this machine gets the longest start that was (a cold start planned too short buys replicas late)."""
+        if engine in self.cold_start_seconds:
+            return self.cold_start_seconds[engine]
+        return max(self.cold_start_seconds.values())
+
     # -- files ---------------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -97,9 +106,16 @@ class ReplicaProfile:
     def from_json(cls, data: dict[str, Any]) -> ReplicaProfile:
         data = dict(data)
         version = data.pop("version", None)
-        if version != PROFILE_VERSION:
-            raise ValueError(f"profile version {version!r}: this splitserve reads version {PROFILE_VERSION}")
+        if version == 1:  # one start time, measured on the native engine; no flip measured yet (the default)
+            data["cold_start_seconds"] = {"native": data.pop("model_load_seconds", 60.0)}
+        elif version != PROFILE_VERSION:
+            raise ValueError(f"profile version {version!r}: this splitserve reads versions 1 and {PROFILE_VERSION}")
         data["cost"] = StepCost(**data["cost"])
+        starts = data.get("cold_start_seconds")
+        if starts is not None and (not isinstance(starts, dict) or not starts or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                for v in starts.values())):
+            raise ValueError(f"cold_start_seconds: {starts!r} is not a map of engine to seconds > 0")
         return cls(**data)
 
     def save(self, path: str | Path) -> None:

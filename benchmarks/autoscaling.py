@@ -13,6 +13,11 @@ a generated bursty, prefill-heavy one (autoscaler/sim/bursty.py, seed 0), in the
   (default)     for each trace at its scale: the oracle (cheapest static P:D per 5-minute window), the best static
                 P:D, the SLO law, Ray Serve LLM's, llm-d WVA's and Dynamo's load-mode law: SLO attainment,
                 GPU-seconds against the oracle's, a table and a last JSON line; results/autoscaling_<trace>.json
+  --rebalance   each trace at each --cold-starts (20 s and 150 s: an H200's native and vllm engines), with role flips
+                and without, for the SLO law and Ray's, WVA's and Dynamo's, beside the oracle and the best static
+                -> results/autoscaling_rebalance_<trace>.json (a table per trace, the goals in the last JSON line)
+  --bound --rebalance  the bursty trace's onset-blind reference at each --cold-starts: as it was, with the
+                actuator's flips, and planning its split a flip ahead -> results/autoscaling_bound_rebalance.json
   --robustness  each --only law (default slo) under five other seeds, a profile 20% off either way and cold
                 starts of 30 s and 120 s -> results/autoscaling_robustness.{md,json} (JSON lines, the summary last)
   --bound       the bursty trace (or each --traces trace, its clumps standing for bursts) against references that
@@ -47,6 +52,13 @@ from splitserve.autoscaler.profile import PROFILE_DIR
 GPU_PROFILE = PROFILE_DIR / "h200_8b.json"
 GPU_STEPS = RESULTS / "sim_calibration_h200_8b_steps.json"
 CPU_PROFILE = PROFILE_DIR / "cpu2_smollm2.json"
+# s from start to ready on an H200 (random weights; main at afe4338): native 13-19 s, vllm 99-148 s (torch.compile,
+# CUDA graphs); the profile plans with the top of each range, rounded up for reading 16 GB of real weights
+H200_COLD_STARTS = {"native": 20.0, "vllm": 150.0}
+H200_COLD_START_NOTE = ("cold starts: the top of what an H200 measured from start to ready with random weights "
+                        "(native 13-19 s, vllm 99-148 s: torch.compile and CUDA graphs), rounded up for reading 16 GB "
+                        "of weights; flip_seconds: an assumption (re-registration and the gateways' view; a flipping "
+                        "worker's drain is its own requests')")
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,8 @@ def trace_rows(case: TraceCase):
     return trace.read_trace(TRACES / case.file, max_input=case.max_input)
 
 
-def experiment(case: TraceCase, duration: float | None, gpus: int, seed: int = 0, model_load_s: float | None = None):
+def experiment(case: TraceCase, duration: float | None, gpus: int, seed: int = 0, cold_start_s: float = 60.0,
+               flips: bool = False):
     from splitserve.autoscaler.profile import ReplicaProfile
     from splitserve.autoscaler.sim import trace
     from splitserve.autoscaler.sim.experiment import Experiment
@@ -88,8 +101,9 @@ def experiment(case: TraceCase, duration: float | None, gpus: int, seed: int = 0
 
     requests = trace.scale(trace_rows(case), rate_scale=case.rate_scale, duration_s=duration, seed=seed)
     spec = ClusterSpec()
-    if model_load_s is not None:  # the simulated cold start, and the law's modelLoadSeconds measured to match
-        spec.autoscaling.model_load_seconds = model_load_s
+    # the simulated cold start, and the law's coldStartSeconds measured to match (60 s: the rounds before flips)
+    spec.autoscaling.cold_start_seconds = cold_start_s
+    spec.autoscaling.role_flips = flips
     spec.autoscaling.mode = "slo"
     spec.autoscaling.gpu_budget = gpus
     for role in (spec.prefill, spec.decode):
@@ -221,7 +235,7 @@ def benchmark(names: list[str], duration: float | None, gpus: int, jobs: int, pl
                       "requests": len(exp.requests), "slo": {"ttft_s": exp.spec.slo.ttft_seconds,
                                                              "itl_s": exp.spec.slo.itl_seconds},
                       "profile": exp.profile.name, "router": router,
-                      "model_load_s": exp.spec.autoscaling.model_load_seconds,
+                      "cold_start_s": exp.spec.autoscaling.cold_start_seconds,
                       "initial": list(initial), "oracle_windows": windows,
                       "policies": rows, "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
             path.write_text(json.dumps(result, indent=1) + "\n")
@@ -242,7 +256,7 @@ def task_robust(case: TraceCase, duration: float | None, gpus: int, policy: str,
                 initial: tuple[int, int]) -> dict[str, Any]:
     """One law under one robustness variant: another seed (other copies' jitter), a profile wrong by 20% (the
     simulated cluster's steps scaled, the law keeps the committed profile) or another cold start (simulated and
-    the law's modelLoadSeconds alike: it is measured)."""
+    the law's coldStartSeconds alike: it is measured)."""
     from dataclasses import replace
 
     from splitserve.autoscaler.profile import StepCost
@@ -250,7 +264,7 @@ def task_robust(case: TraceCase, duration: float | None, gpus: int, policy: str,
     from splitserve.autoscaler.sim.simulator import simulate
 
     seed, k, load = ROBUSTNESS[variant]
-    exp = experiment(case, duration, gpus, seed=seed, model_load_s=load)
+    exp = experiment(case, duration, gpus, seed=seed, cold_start_s=load or 60.0)
     c = exp.profile.cost
     truth = replace(exp.profile, cost=StepCost(c.base_s * k, c.per_seq_s * k, c.per_token_s * k, c.knee_tokens,
                                                c.per_ctx_token_s * k, c.per_attn_pair_s * k))
@@ -321,6 +335,104 @@ def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, p
     return out
 
 
+REBALANCE_COLD_STARTS = (20.0, 150.0)  # s: the engines' cold starts on an H200 (native, vllm; the profile's)
+REBALANCE_POLICIES = ("slo", "ray", "wva", "dynamo")
+GOAL_COST = 1.15  # GPU-seconds x the oracle's the goal allows (Azure conversation, Mooncake, Azure code)
+
+
+def task_rebalance(case: TraceCase, duration: float | None, gpus: int, policy: str, cold_start_s: float,
+                   flips: bool, initial: tuple[int, int]) -> dict[str, Any]:
+    """One law at one cold start (simulated and configured alike), with role flips or without: for the law, its
+    own flips; for the anchors' laws, the actuator's (a role that grows while the other shrinks flips)."""
+    from splitserve.autoscaler.sim.report import summary
+    from splitserve.autoscaler.sim.simulator import simulate
+
+    exp = experiment(case, duration, gpus, cold_start_s=cold_start_s, flips=flips)
+    t0 = time.perf_counter()
+    res = simulate(exp.requests, settings_of(exp), exp.law(policy), initial)
+    return summary(res) | {"policy": policy, "cold_start_s": cold_start_s, "flips": flips, "role_flips": res.flips,
+                           "wall_s": round(time.perf_counter() - t0, 1),
+                           "timeline": [[round(pt.time), pt.prefill["ready"] + pt.prefill["starting"]
+                                         + pt.prefill["flipping"], pt.decode["ready"] + pt.decode["starting"]
+                                         + pt.decode["flipping"], pt.gpus] for pt in res.timeline[::4]]}
+
+
+def better(ours: dict[str, Any], theirs: dict[str, Any], cost_goal: float | None) -> bool:
+    """Ours is better than an anchor's run: no fewer feasible requests served in time for no more GPU-seconds,
+    or (where the trace has a cost goal) ours meets both halves of the goal and theirs does not."""
+    def meets(r: dict[str, Any]) -> bool:
+        return cost_goal is not None and r["feasible_attainment"] >= TARGET and r["gpu_seconds_vs_oracle"] <= cost_goal
+
+    dominates = (ours["feasible_attainment"] >= theirs["feasible_attainment"]
+                 and ours["gpu_seconds_vs_oracle"] <= theirs["gpu_seconds_vs_oracle"])
+    return dominates or (meets(ours) and not meets(theirs))
+
+
+def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, cold_starts: list[float],
+              policies: list[str]) -> dict[str, Any]:
+    """Each trace at each cold start, with role flips and without, for the SLO law and the anchors' laws, beside
+    the oracle and the best static of results/autoscaling_<trace>.json (neither pays a cold start nor flips).
+    -> results/autoscaling_rebalance_<trace>.json; a table per trace and a last JSON line with the goals."""
+    out: dict[str, Any] = {}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for name in names:
+            case = CASES[name]
+            base = trace_results(name, duration, "the rebalance runs are priced against its oracle")
+            oracle_s, initial = base["policies"]["oracle"]["gpu_seconds"], tuple(base["initial"])
+            tasks = [(p, c, f) for c in cold_starts for f in (False, True) for p in policies]
+            t0 = time.perf_counter()
+            runs = list(pool.map(task_rebalance, *zip(*[(case, duration, gpus, p, c, f, initial) for p, c, f in tasks],
+                                                      strict=True)))
+            for r in runs:
+                r["gpu_seconds_vs_oracle"] = round(r["gpu_seconds"] / oracle_s, 3)
+            result = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
+                      "requests": base["requests"], "profile": base["profile"], "router": base.get("router"),
+                      "initial": list(initial), "cold_starts_s": cold_starts,
+                      "oracle": base["policies"]["oracle"] | {"gpu_seconds_vs_oracle": 1.0},
+                      "static": base["policies"]["static"], "runs": runs,
+                      "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
+            (RESULTS / f"autoscaling_rebalance_{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+            print_rebalance(name, result)
+            out[name] = result
+    print(json.dumps({"rebalance": rebalance_goals(out)}))
+    return out
+
+
+def rebalance_goals(results: dict[str, Any]) -> dict[str, Any]:
+    """Per trace, cold start and flips: the SLO law's feasible attainment and GPU-s x oracle, whether it meets the
+    goal (a cost goal on the three shared traces; the bursty trace's is against the bound, --bound) and whether it
+    is better than each anchor's run."""
+    goals: dict[str, Any] = {}
+    for name, r in results.items():
+        cost_goal = None if name == "bursty" else GOAL_COST
+        for c in r["cold_starts_s"]:
+            for f in (False, True):
+                runs = {x["policy"]: x for x in r["runs"] if x["cold_start_s"] == c and x["flips"] == f}
+                ours = runs.get("slo")
+                if ours is None:
+                    continue
+                key = f"{name}@{c:g}s{'+flips' if f else ''}"
+                goals[key] = {"feasible_attainment": ours["feasible_attainment"],
+                              "gpu_seconds_vs_oracle": ours["gpu_seconds_vs_oracle"],
+                              "better_than": {p: better(ours, x, cost_goal) for p, x in runs.items() if p != "slo"}}
+                if cost_goal is not None:
+                    goals[key]["goal_met"] = (ours["feasible_attainment"] >= TARGET
+                                              and ours["gpu_seconds_vs_oracle"] <= cost_goal)
+    return goals
+
+
+def print_rebalance(name: str, r: dict[str, Any]) -> None:
+    print(f"\n{name}: {r['requests']} requests ({r['trace']} x{r['rate_scale']:g}), start {r['initial']}; oracle "
+          f"{r['oracle']['feasible_attainment']:.3f} of feasible, best static {r['static']['policy']} "
+          f"{r['static']['feasible_attainment']:.3f} at {r['static']['gpu_seconds_vs_oracle']:.2f}x")
+    print("| policy | cold start | flips | of feasible | GPU-s x oracle | peak GPUs | scale changes | flips done | failed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for x in r["runs"]:
+        print(f"| {x['policy']} | {x['cold_start_s']:g} s | {'yes' if x['flips'] else 'no'} | "
+              f"{x['feasible_attainment']:.3f} | {x['gpu_seconds_vs_oracle']:.2f} | {x['max_gpus']} | "
+              f"{x['scale_changes']} | {x['role_flips']} | {x['failed']} |")
+
+
 BOUND_WINDOW_S = 30.0  # s, the references' plan windows
 BOUND_MARGINS = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (2, 2), (2, 3), (4, 2), (4, 3), (4, 4), (6, 3), (6, 4),
                  (8, 4), (10, 5))  # standing (prefill, decode) replicas above the plans
@@ -329,6 +441,12 @@ BOUND_MARGINS_CLUMPS = BOUND_MARGINS + ((5, 3), (5, 4), (7, 2), (7, 3), (6, 6), 
                                          (16, 8))
 BOUND_SHORTER_STARTS = (30.0, 15.0)  # s, cold starts the onset-blind reference is also run with
 BOUND_CLUMP_BIN_S = 5.0  # s: on a real trace, a clump of bins this long (`trace.clumps`) stands for a burst
+
+
+BOUND_REBALANCE_MARGINS = BOUND_MARGINS + ((12, 6), (14, 7), (16, 8))  # 150-s starts need more standing capacity
+# s: how far ahead a reference planning flips knows the split: a control interval, within which a law sees a burst
+# and a flip lands (a worker's drain and flipSeconds)
+BOUND_FLIP_LEAD_S = 15.0
 
 
 def bound_path(name: str) -> Path:
@@ -384,16 +502,19 @@ def task_bound_window(case: TraceCase, duration: float | None, gpus: int, k: int
 
 
 def task_bound_run(case: TraceCase, duration: float | None, gpus: int, plans: list[list[int]],
-                   margin: tuple[int, int], cold_start_s: float) -> dict[str, Any]:
+                   margin: tuple[int, int], cold_start_s: float, flips: bool = False,
+                   split_plans: list[list[int]] | None = None) -> dict[str, Any]:
     from splitserve.autoscaler.sim.laws import ForesightLaw
     from splitserve.autoscaler.sim.report import summary
     from splitserve.autoscaler.sim.simulator import simulate
 
-    exp = experiment(case, duration, gpus, model_load_s=cold_start_s)
+    exp = experiment(case, duration, gpus, cold_start_s=cold_start_s, flips=flips)
     law = ForesightLaw([(p, d) for p, d in plans], BOUND_WINDOW_S, cold_start_s, margin,
-                       interval_s=exp.spec.autoscaling.interval_seconds)
+                       interval_s=exp.spec.autoscaling.interval_seconds,
+                       split_plans=None if split_plans is None else [(p, d) for p, d in split_plans],
+                       split_lead_s=BOUND_FLIP_LEAD_S)
     res = simulate(exp.requests, settings_of(exp), law, law.at(0.0))
-    return summary(res) | {"margin": list(margin)}
+    return summary(res) | {"margin": list(margin), "role_flips": res.flips}
 
 
 def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) -> dict[str, Any]:
@@ -413,7 +534,7 @@ def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) 
     base = trace_results(name, duration, "the bound is priced against its oracle")
     oracle_s = base["policies"]["oracle"]["gpu_seconds"]
     exp, onsets = burst_onsets(case, duration, gpus)
-    lead = exp.spec.autoscaling.model_load_seconds
+    lead = exp.spec.autoscaling.cold_start_seconds
     n = math.floor(exp.requests[-1].arrival / BOUND_WINDOW_S) + 1
     margins = BOUND_MARGINS if case.file == "generated:bursty" else BOUND_MARGINS_CLUMPS
     refs = {"foresight": (None, lead)} | {f"onset-blind@{c:g}": (c, c) for c in (lead, *BOUND_SHORTER_STARTS)}
@@ -465,6 +586,77 @@ def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) 
               f"{r['max_gpus']} |")
     print(json.dumps({"bound": {name: {f"{r['reference']}+{r['margin'][0]}x{r['margin'][1]}":
                                        [r["feasible_attainment"], r["gpu_seconds_vs_oracle"]] for r in rows}}}))
+    return out
+
+
+def frontier_at(rows: list[dict[str, Any]], target: float = TARGET) -> float | None:
+    """GPU-s x the oracle where a reference's frontier (the cheapest attainment reached at each cost) crosses
+    `target` of feasible requests, linear between the two margins around it; None if no margin reaches it."""
+    pts = sorted((r["gpu_seconds_vs_oracle"], r["feasible_attainment"]) for r in rows)
+    best, frontier = -1.0, []
+    for cost, att in pts:  # the upper envelope: more attainment for more cost only
+        if att > best:
+            frontier.append((cost, att))
+            best = att
+    for (c0, a0), (c1, a1) in zip(frontier, frontier[1:], strict=False):
+        if a0 < target <= a1:
+            return round(c0 + (c1 - c0) * (target - a0) / (a1 - a0), 3)
+    return frontier[0][0] if frontier and frontier[0][1] >= target else None
+
+
+def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, cold_starts: list[float],
+                    reuse: bool) -> dict[str, Any]:
+    """The bound's onset-blind reference at each cold start C, three ways: as before (starts and stops); with
+    the actuator's flips between its targets; and planning with flips (the total known C ahead, as before, the
+    split BOUND_FLIP_LEAD_S ahead, reached by flips). Each over BOUND_REBALANCE_MARGINS; per C, where the best of
+    the three crosses 95% of feasible requests (the goal's reference cost).
+    -> results/autoscaling_bound_rebalance.json (bursty), results/autoscaling_bound_rebalance_<trace>.json"""
+    case = CASES[name]
+    base = trace_results(name, duration, "the bound is priced against its oracle")
+    oracle_s = base["policies"]["oracle"]["gpu_seconds"]
+    exp, onsets = burst_onsets(case, duration, gpus)
+    n = math.floor(exp.requests[-1].arrival / BOUND_WINDOW_S) + 1
+    path = RESULTS / ("autoscaling_bound_rebalance.json" if name == "bursty" else f"autoscaling_bound_rebalance_{name}.json")
+    kept: dict[str, Any] = {}
+    for old in (bound_path(name), path):  # plans depend on what is known, not on the cold start simulated
+        prev = json.loads(old.read_text()) if reuse and old.exists() else None
+        if prev and (prev["duration_s"], prev["window_s"]) == (duration, BOUND_WINDOW_S):
+            kept |= prev["plans"]
+    known = {f"onset-blind@{c:g}": c for c in (*cold_starts, BOUND_FLIP_LEAD_S)}
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        plans = {ref: kept.get(ref) or list(pool.map(task_bound_window, *zip(*[(case, duration, gpus, k, lead)
+                                                                               for k in range(n)], strict=True)))
+                 for ref, lead in known.items()}
+        split = plans[f"onset-blind@{BOUND_FLIP_LEAD_S:g}"]
+        tasks = []
+        for c in cold_starts:
+            ref = f"onset-blind@{c:g}"
+            for label, flips, sp in ((ref, False, None), (f"{ref}, flips", True, None),
+                                     (f"{ref}, planned flips", True, split)):
+                tasks += [(label, c, m, flips, sp) for m in BOUND_REBALANCE_MARGINS]
+        runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[f"onset-blind@{c:g}"], m, c, f, sp)
+                                                    for _, c, m, f, sp in tasks], strict=True)))
+    rows = [{"reference": label, "cold_start_s": c, "margin": list(m), "flips": f,
+             "slo_attainment": r["slo_attainment"], "feasible_attainment": r["feasible_attainment"],
+             "gpu_seconds": r["gpu_seconds"], "gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3),
+             "max_gpus": r["max_gpus"], "scale_changes": r["scale_changes"], "role_flips": r["role_flips"]}
+            for (label, c, m, f, _), r in zip(tasks, runs, strict=True)]
+    crossing = {label: frontier_at([r for r in rows if r["reference"] == label]) for label in dict.fromkeys(
+        r["reference"] for r in rows)}
+    best = {f"{c:g}": min((v for k, v in crossing.items() if k.startswith(f"onset-blind@{c:g}") and v is not None),
+                          default=None) for c in cold_starts}
+    out = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
+           "window_s": BOUND_WINDOW_S, "flip_lead_s": BOUND_FLIP_LEAD_S, "oracle_gpu_seconds": oracle_s,
+           "plans": plans, "runs": rows, "crossing_95": crossing, "best_at_95": best,
+           "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print("| reference | margin P+D | of feasible | GPU-s × oracle | peak GPUs | flips |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['reference']} | {r['margin'][0]}+{r['margin'][1]} | {r['feasible_attainment']:.3f} | "
+              f"{r['gpu_seconds_vs_oracle']:.2f} | {r['max_gpus']} | {r['role_flips']} |")
+    print(json.dumps({"bound_rebalance": {name: {"crossing_95": crossing, "best_at_95": best}}}))
     return out
 
 
@@ -697,12 +889,15 @@ def measure_gpu() -> dict[str, Any]:
 
 
 def fit_gpu() -> dict[str, Any]:
+    from dataclasses import replace
+
     from splitserve.autoscaler.sim.calibrate import fit_gpu_profile, kv_case, measured_prefill_steps
 
     gpu = json.loads((RESULTS / "gpu_engine_nvidia_h200.json").read_text())
     steps = measured_prefill_steps(GPU_STEPS) if GPU_STEPS.exists() else []
     prof = fit_gpu_profile(gpu, kv_case(RESULTS / "kv_transfer_nixl_cuda_2xh200.txt", "llama8b_3k"),
-                           prefill_steps=steps)
+                           prefill_steps=steps, cold_start_seconds=H200_COLD_STARTS)
+    prof = replace(prof, source=prof.source | {"cold_start_note": H200_COLD_START_NOTE})
     prof.save(GPU_PROFILE)
     worst = max(abs(e["error"]) for e in prof.source["errors"])
     print(f"{prof.name}: {prof.cost}\nworst fitted step error {worst:.1%}; wrote {GPU_PROFILE}")
@@ -772,9 +967,10 @@ def validate(port: int, poisson_n: int, trace_n: int, rate: float, resimulate: b
                                                        "trace_requests": trace_n, "machine": machine()}
     measured = out["measured"]
     profile = ReplicaProfile.load(CPU_PROFILE)
-    if profile.model_load_seconds != out["up_ready_s"]:  # the measured start-to-ready time of `splitserve up`
-        profile = replace(profile, model_load_seconds=out["up_ready_s"], source=profile.source | {
-            "model_load_note": "splitserve up start to ready (gateway + 1 prefill + 1 decode), from --validate"})
+    if profile.cold_start("native") != out["up_ready_s"]:  # the measured start-to-ready time of `splitserve up`
+        profile = replace(profile, cold_start_seconds=profile.cold_start_seconds | {"native": out["up_ready_s"]},
+                          source=profile.source | {"cold_start_note": "native: splitserve up start to ready "
+                                                   "(gateway + 1 prefill + 1 decode), from --validate"})
         profile.save(CPU_PROFILE)
 
     def scaled(prof: ReplicaProfile, k: float) -> ReplicaProfile:
@@ -868,6 +1064,11 @@ def main() -> None:
     ap.add_argument("--robustness", action="store_true",
                     help="each --only law (default slo) under five other seeds, +-20%% profile error and 30/120 s cold "
                     "starts -> results/autoscaling_robustness.{md,json} (needs the traces' results files)")
+    ap.add_argument("--rebalance", action="store_true",
+                    help="each --traces trace at each --cold-starts, with role flips and without, for the SLO law "
+                    "and the anchors' laws (or --only) -> results/autoscaling_rebalance_<trace>.json")
+    ap.add_argument("--cold-starts", default=",".join(f"{c:g}" for c in REBALANCE_COLD_STARTS),
+                    help="--rebalance, --bound: cold starts (s) to run, comma-separated")
     ap.add_argument("--reuse-baselines", action="store_true",
                     help="keep the oracle and best static of results/autoscaling_<trace>.json when its setup matches")
     args = ap.parse_args()
@@ -894,12 +1095,19 @@ def main() -> None:
         for n in names:
             CASES[n] = TraceCase(CASES[n].name, CASES[n].file, args.rate_scale, CASES[n].max_input)
     only = list(COLD) if args.only == "cold" else [p for p in args.only.split(",") if p] or None
+    cold_starts = [float(c) for c in args.cold_starts.split(",") if c.strip()]
     if args.bound:
         for name in names if args.traces != ap.get_default("traces") else ["bursty"]:
-            bound(name, args.duration, args.gpus, args.jobs, args.reuse_baselines)
+            if args.rebalance:
+                bound_rebalance(name, args.duration, args.gpus, args.jobs, cold_starts, args.reuse_baselines)
+            else:
+                bound(name, args.duration, args.gpus, args.jobs, args.reuse_baselines)
         return
     if args.ratchet:
         ratchet(names, args.duration, args.gpus, args.jobs)
+        return
+    if args.rebalance:
+        rebalance(names, args.duration, args.gpus, args.jobs, cold_starts, only or list(REBALANCE_POLICIES))
         return
     if args.robustness:
         robustness(names, args.duration, args.gpus, args.jobs, only or ["slo"])

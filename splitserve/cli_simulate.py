@@ -31,7 +31,9 @@ SIM_FLAGS = [
     flag("interval", "autoscaling.interval_seconds"),
     flag("scale-up-cooldown", "autoscaling.scale_up_cooldown_seconds"),
     flag("scale-down-cooldown", "autoscaling.scale_down_cooldown_seconds"),
-    flag("model-load-seconds", "autoscaling.model_load_seconds"),
+    flag("model-load-seconds", "autoscaling.cold_start_seconds"),
+    flag("flips", "autoscaling.role_flips"),
+    flag("flip-seconds", "autoscaling.flip_seconds"),
     flag("warm-replicas", "autoscaling.warm_replicas"),
     flag("target-utilization", "autoscaling.target_utilization"),
     flag("routing", "router.policy"),
@@ -209,16 +211,16 @@ def calibrate_cpu(resource: ClusterResource, out: Path, reps: int = 3) -> dict[s
         kv_bytes_per_token=2 * engine.arch.num_layers * ks.num_kv_heads * ks.head_dim * engine.dtype.itemsize,
         max_num_seqs=spec.decode.engine.max_num_seqs, max_num_batched_tokens=spec.decode.engine.max_num_batched_tokens,
         kv_transfer_gbps=case["layerwise_gbps"], kv_transfer_tail_s=case["tail_after_last_layer_ms"] / 1e3,
-        model_load_seconds=round(load_s, 2),
+        cold_start_seconds={"native": round(load_s, 2)},
         source={"fit": "least squares over measured steps (relative error), knee on a grid", "threads": threads,
                 "kv_case": f"{'nixl' if nixl else 'tcp'} smollm2_2k", "errors": errors,
-                "loadavg": list(os.getloadavg()), "model_load_note": "engine construction only (no process start)"})
+                "loadavg": list(os.getloadavg()), "cold_start_note": "native: engine construction only (no process start)"})
     profile.save(out)
     worst = max(abs(e["error"]) for e in errors)
     click.echo(f"fitted {cost}; worst step error {worst:.1%}; wrote {out}", err=True)
     return {"profile": str(out), "points": len(points), "max_abs_error": round(worst, 4),
             "mean_abs_error": round(sum(abs(e["error"]) for e in errors) / len(errors), 4),
-            "model_load_seconds": profile.model_load_seconds, "threads": threads}
+            "cold_start_seconds": profile.cold_start_seconds, "threads": threads}
 
 
 def _has_nixl() -> bool:

@@ -37,7 +37,7 @@ def cluster_file(tmp_path: Path) -> Path:
     spec["slo"] = {"ttftSeconds": 2.0, "itlSeconds": 1.0}
     spec["autoscaling"] = {"intervalSeconds": INTERVAL, "scaleUpCooldownSeconds": UP_COOLDOWN,
                            "scaleDownCooldownSeconds": DOWN_COOLDOWN, "plannerIntervalSeconds": 4,
-                           "modelLoadSeconds": 20,
+                           "coldStartSeconds": 20,
                            "gpuBudget": 3}  # 3 workers on this 2-core box (the core bound would allow 2)
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(doc))

@@ -24,7 +24,7 @@ COST = StepCost(base_s=0.001, per_seq_s=0.0, per_token_s=0.0001, knee_tokens=0.0
                 per_attn_pair_s=0.0)
 PROFILE = ReplicaProfile(name="toy", cost=COST, kv_capacity_tokens=10_000_000, kv_bytes_per_token=1,
                          max_num_seqs=10, max_num_batched_tokens=1000, kv_transfer_gbps=100.0,
-                         kv_transfer_tail_s=0.0, model_load_seconds=60.0)
+                         kv_transfer_tail_s=0.0, cold_start_seconds={"native": 60.0})
 PREFILL_TOK_S = 1000 / 0.101  # one full-budget step: 1000 tokens in 101 ms
 DECODE_TOK_S = 10 / 0.002  # batch of 10 (max_num_seqs): 2 ms a step
 
@@ -34,7 +34,7 @@ def config(**kw) -> LawConfig:
     the router spills nothing to decode unless a test says so (prefill's sizing is then its own arithmetic)."""
     base = dict(profile=PROFILE, bounds=Bounds(prefill_min=1, prefill_max=50, decode_min=1, decode_max=50),
                 ttft_s=2.0, itl_s=0.1, scale_up_cooldown_s=30.0, scale_down_cooldown_s=120.0,
-                planner_interval_s=60.0, model_load_s=60.0, max_utilization=0.8, decode_compute_utilization=None,
+                planner_interval_s=60.0, cold_start_s=60.0, max_utilization=0.8, decode_compute_utilization=None,
                 spills=False)
     base.update(kw)
     return LawConfig(**base)
@@ -149,7 +149,7 @@ def test_slow_ramp_scales_up_ahead_of_need():
         stream.append(obs(15 * i, p=3, d=2, prefill_tok_s=need * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S))
     decisions = run(stream, cfg)
     for i, d in enumerate(decisions):
-        need_on_arrival = 2.0 + (15 * i + cfg.model_load_s) / 150  # when replicas asked for now are ready
+        need_on_arrival = 2.0 + (15 * i + cfg.cold_start_s) / 150  # when replicas asked for now are ready
         if i >= 16:  # once the trend line has history, capacity asked for covers the need a load time ahead
             assert d.prefill.desired >= need_on_arrival, (i, d.prefill)
     assert decisions[-1].prefill.desired <= 13  # and it does not run away (8.0 + lead at 0.8 -> about 11)
@@ -244,7 +244,7 @@ def test_a_smooth_load_lets_prefill_scale_down_sooner_than_a_bursty_one():
         first_down[name] = downs[0].time
     assert 180 <= first_down["smooth"] < 300 <= first_down["clumps"], first_down
     # and at least three cold starts: with 90 s ones, 270 s
-    slow = config(scale_down_cooldown_s=300.0, smooth_prefill_hold_s=180.0, model_load_s=90.0)
+    slow = config(scale_down_cooldown_s=300.0, smooth_prefill_hold_s=180.0, cold_start_s=90.0)
     downs = [d for d in run(smooth, slow) if d.prefill.action == "down"]
     assert downs and 270 <= downs[0].time < 300, [d.time for d in downs]
 
@@ -341,8 +341,8 @@ def test_longer_model_load_leads_further():
     for i in range(30):
         need = 2.0 + i * 15 / 100  # +1 replica per 100 s
         stream.append(obs(15 * i, p=3, d=2, prefill_tok_s=need * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S))
-    short = run(stream, config(model_load_s=10.0, max_forecast_growth=10.0))[-1].prefill
-    long = run(stream, config(model_load_s=300.0, max_forecast_growth=10.0))[-1].prefill
+    short = run(stream, config(cold_start_s=10.0, max_forecast_growth=10.0))[-1].prefill
+    long = run(stream, config(cold_start_s=300.0, max_forecast_growth=10.0))[-1].prefill
     assert long.planned - short.planned == pytest.approx(2.9, abs=0.05)  # 290 s more lead at +0.01 replicas/s
     assert long.desired > short.desired
 
@@ -508,11 +508,11 @@ def test_config_from_the_cluster_spec():
                                        "ratio": {"min": 0.25, "max": 1.0},
                                        "slo": {"ttftSeconds": 1.5, "itlSeconds": 0.05},
                                        "model": {"tensorParallelSize": 2},
-                                       "autoscaling": {"mode": "slo", "gpuBudget": 24, "modelLoadSeconds": 90,
+                                       "autoscaling": {"mode": "slo", "gpuBudget": 24, "coldStartSeconds": 90,
                                                        "warmReplicas": 1, "targetUtilization": 0.7}})
     cfg = LawConfig.from_spec(spec, PROFILE)
     b = cfg.bounds
     assert (b.prefill_min, b.prefill_max, b.decode_min, b.decode_max) == (1, 6, 2, 9)
     assert (b.ratio_min, b.ratio_max, b.gpu_budget, b.gpus_per_replica) == (0.25, 1.0, 24, 2)
-    assert (cfg.ttft_s, cfg.itl_s, cfg.model_load_s, cfg.warm_replicas) == (1.5, 0.05, 90.0, 1)
+    assert (cfg.ttft_s, cfg.itl_s, cfg.cold_start_s, cfg.warm_replicas) == (1.5, 0.05, 90.0, 1)
     assert cfg.target_utilization == 0.7 and cfg.low_utilization < 0.7 < cfg.high_utilization

@@ -88,9 +88,9 @@ def test_the_law_answers_the_bursts_from_the_prefill_backlog():
     profile = ReplicaProfile.load(PROFILE_DIR / "h200_8b.json")
     rows, found = bursty.generate(bursty.BurstyConfig(duration_s=900), seed=3)
     settings = SimSettings(profile, bounds=Bounds(prefill_min=1, prefill_max=16, decode_min=1, decode_max=16),
-                           join_quantum_s=0.02)
+                           join_quantum_s=0.02, cold_start_s=60.0)  # the law's default cold start, simulated
     law = simulate(trace.scale(rows, rate_scale=4, seed=0), settings,
-                   SLOLaw(LawConfig(profile=profile, bounds=settings.bounds)), (1, 1))
+                   SLOLaw(LawConfig(profile=profile, bounds=settings.bounds, cold_start_s=60.0)), (1, 1))
     static = simulate(trace.scale(rows, rate_scale=4, seed=0), settings, StaticLaw(1, 1), (1, 1))
     assert found
     for b in found:

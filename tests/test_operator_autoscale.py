@@ -44,7 +44,8 @@ SPEC = {
     "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
     "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
     "redis": {"mode": "bundled"},
-    "autoscaling": {"mode": "slo", "intervalSeconds": 1, "scaleUpCooldownSeconds": 30},
+    # a 60-s cold start, not the profile's 20: the queue below is sized against it
+    "autoscaling": {"mode": "slo", "intervalSeconds": 1, "scaleUpCooldownSeconds": 30, "coldStartSeconds": 60},
 }
 
 
@@ -114,7 +115,7 @@ QUEUE_TOKENS = 3_200_000
 
 def queue_on_prefill(sources: Sources) -> None:
     """One ready prefill worker with a long queue (the registry's load report), one idle decode worker. The queue
-    takes the worker ~89 s to drain (the 8B H200 profile), longer than a cold start: a second replica helps it (a
+    takes the worker ~89 s to drain (the 8B H200 profile), longer than the 60-s cold start: a second replica helps it (a
     queue the ready replicas clear before a new one loads is a clump, which buys nothing)."""
     register(sources.client, entry("llm-prefill-a", "prefill", 5001, "", num_waiting=40,
                                    waiting_prefill_tokens=QUEUE_TOKENS, num_running=1))
@@ -174,7 +175,7 @@ async def test_external_mode_exports_desired_replicas_and_applies_only_the_scale
     splitserve_autoscaler_desired_replicas{cluster,role} (what KEDA reads); the Deployments follow only what is
     written on the SplitServeRoles' scale subresource."""
     queue_on_prefill(sources)
-    spec = copy.deepcopy(SPEC) | {"autoscaling": {"mode": "external", "intervalSeconds": 1}}
+    spec = copy.deepcopy(SPEC) | {"autoscaling": {"mode": "external", "intervalSeconds": 1, "coldStartSeconds": 60}}
     async with Operator(str(api.url), SloReplicas(observers=sources.observer)):
         resp = await api.post(CLUSTER_PATH, json=cluster_doc("ext", spec))
         assert resp.status == 200, await resp.text()

@@ -42,7 +42,7 @@ COST = StepCost(base_s=0.002, per_seq_s=0.0001, per_token_s=0.00005, knee_tokens
                 per_attn_pair_s=1e-9)
 PROFILE = ReplicaProfile(name="toy", cost=COST, kv_capacity_tokens=40_000, kv_bytes_per_token=1000,
                          max_num_seqs=16, max_num_batched_tokens=512, kv_transfer_gbps=1.0,
-                         kv_transfer_tail_s=0.002, model_load_seconds=5.0)
+                         kv_transfer_tail_s=0.002, cold_start_seconds={"native": 5.0})
 SETTINGS = SimSettings(PROFILE, ttft_s=1.0, itl_s=0.05, disagg_threshold=256, drain_seconds=30.0)
 
 
@@ -61,7 +61,7 @@ def mixed(n: int = 600, rate: float = 20.0, seed: int = 1) -> list[SimRequest]:
 
 def slo_law(interval: float = 1.0) -> SLOLaw:
     cfg = LawConfig(PROFILE, Bounds(prefill_min=1, prefill_max=8, decode_min=1, decode_max=8), ttft_s=1.0, itl_s=0.05,
-                    scale_up_cooldown_s=2.0, scale_down_cooldown_s=4.0, planner_interval_s=2.0, model_load_s=5.0,
+                    scale_up_cooldown_s=2.0, scale_down_cooldown_s=4.0, planner_interval_s=2.0, cold_start_s=5.0,
                     trend_window_s=10.0, smoothing_s=2.0)
     return SLOLaw(cfg, interval_s=interval)
 
@@ -151,7 +151,7 @@ def test_the_foresight_reference_scales_up_a_cold_start_ahead_and_down_on_time()
     assert [at(t) for t in (0.0, 4.9, 5.0, 19.9, 29.9, 30.0, 35.0, 99.0)] == [
         (2, 1), (2, 1), (5, 3), (5, 3), (5, 3), (2, 2), (2, 2), (2, 1)]
     res = simulate(fresh(mixed(200)), SETTINGS,
-                   ForesightLaw([(1, 1), (1, 1), (3, 2)], window_s=4.0, lead_s=PROFILE.model_load_seconds,
+                   ForesightLaw([(1, 1), (1, 1), (3, 2)], window_s=4.0, lead_s=PROFILE.cold_start("native"),
                                 interval_s=1.0), (1, 1))
     ready = [(pt.time, pt.prefill["ready"]) for pt in res.timeline]
     assert any(n == 3 for t, n in ready if t <= 8.0 + 1.0)  # loaded by the time window 2 begins (1 s decisions)

@@ -108,7 +108,7 @@ COST = StepCost(base_s=0.002, per_seq_s=0.0001, per_token_s=0.00005, knee_tokens
                 per_attn_pair_s=1e-9)
 PROFILE = ReplicaProfile(name="toy", cost=COST, kv_capacity_tokens=200_000, kv_bytes_per_token=1000,
                          max_num_seqs=32, max_num_batched_tokens=512, kv_transfer_gbps=1.0,
-                         kv_transfer_tail_s=0.002, model_load_seconds=5.0)
+                         kv_transfer_tail_s=0.002, cold_start_seconds={"native": 5.0})
 
 
 def test_a_prefill_burst_spills_onto_idle_decode_workers_in_the_simulator():

@@ -51,7 +51,7 @@ class StepPoint:
 def fit_gpu_profile(gpu_results: dict[str, Any], kv_case: dict[str, Any], *, name: str = "llama8b-h200",
                     weight_bytes: int = LLAMA8B_WEIGHT_BYTES, kv_bytes_per_token: int = LLAMA8B_KV_BYTES_PER_TOKEN,
                     memory_bytes: int = H200_MEMORY_BYTES, max_num_seqs: int = 128, budget: int = 2048,
-                    model_load_seconds: float = 60.0, prefill_steps: list[StepPoint] = ()) -> ReplicaProfile:
+                    cold_start_seconds: dict[str, float] | None = None, prefill_steps: list[StepPoint] = ()) -> ReplicaProfile:
     """The 8B-shaped profile from gpu_engine results and one kv_transfer case (both as committed JSON), and
     measured chunked-prefill steps (`prefill_steps`: prompt chunks after a past context) when there are some."""
     bw = gpu_results["copy_gbps"] * 1e9  # bytes/s, read + write counted
@@ -82,7 +82,7 @@ def fit_gpu_profile(gpu_results: dict[str, Any], kv_case: dict[str, Any], *, nam
         name=name, cost=cost, kv_capacity_tokens=kv_capacity, kv_bytes_per_token=kv_bytes_per_token,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
         kv_transfer_gbps=kv_case["layerwise_gbps"], kv_transfer_tail_s=kv_case["tail_after_last_layer_ms"] / 1e3,
-        model_load_seconds=model_load_seconds,
+        cold_start_seconds=cold_start_seconds or {"native": 60.0},
         source={"device": gpu_results.get("device"),
                 "fit": "physics prior (weights, KV read) + decode line; prefill by least squares"
                        + (f" over {len(prefill)} steps (with {len(prefill_steps)} chunked ones)" if prefill_steps else ""),

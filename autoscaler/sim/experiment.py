@@ -40,7 +40,9 @@ class Experiment:
                            spill_prefill_tokens=s.router.spill.prefill_backlog_tokens,
                            spill_local_tokens=s.router.spill.local_backlog_tokens,
                            block_size=s.model.block_size, gpus_per_replica=s.model.tensor_parallel_size,
-                           model_load_s=s.autoscaling.model_load_seconds, drain_seconds=s.decode.drain_seconds,
+                           cold_start_s=s.autoscaling.cold_start_seconds, engine=s.engine_of("decode"),
+                           flips=s.autoscaling.role_flips and s.mode == "disaggregated",
+                           flip_s=s.autoscaling.flip_seconds, drain_seconds=s.decode.drain_seconds,
                            bounds=Bounds.from_spec(s))
 
     @property

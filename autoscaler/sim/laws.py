@@ -15,8 +15,9 @@ a static P:D, and the anchors' laws as their documentation describes them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from splitserve.autoscaler.flips import RoleFlip
 from splitserve.autoscaler.law import ControllerState, LawConfig, ScalingDecision, decide
 from splitserve.autoscaler.observations import Observation
 from splitserve.autoscaler.profile import ReplicaProfile
@@ -29,6 +30,16 @@ class ScalingLaw(Protocol):
 
     def decide(self, obs: Observation) -> tuple[int, int, str]:
         """(prefill replicas, decode replicas, reason)."""
+        ...
+
+
+@runtime_checkable
+class FlipPlanner(Protocol):
+    """A law that plans its own role flips (the simulator asks it after `decide`; a law that does not gets the
+    actuator's rule, `flips.flips_between` its targets)."""
+
+    def last_flip(self) -> RoleFlip | None:
+        """The flip the last decision asked for, its workers counted in the desired replicas."""
         ...
 
 
@@ -47,6 +58,9 @@ class SLOLaw:
         self.last = decide(obs, self.state, self.config)
         self.state = self.last.state
         return self.last.prefill.desired, self.last.decode.desired, self.last.reason
+
+    def last_flip(self) -> RoleFlip | None:
+        return self.last.flip if self.last is not None else None
 
 
 @dataclass
@@ -208,14 +222,35 @@ class ForesightLaw:
     interval_s: float = 15.0
     name: str = "foresight"
     kills_on_scale_down: bool = False
+    # with role flips: the total follows `plans` (known `lead_s` ahead), the split these (known `split_lead_s`
+    # ahead, a flip's time), which the actuator reaches by flips
+    split_plans: list[tuple[int, int]] | None = None
+    split_lead_s: float = 0.0
+
+    def _span(self, plans: list[tuple[int, int]], time: float, lead_s: float) -> list[tuple[int, int]]:
+        last = len(plans) - 1
+        return plans[min(int(time // self.window_s), last):min(int((time + lead_s) // self.window_s), last) + 1]
 
     def at(self, time: float) -> tuple[int, int]:
         """The (prefill, decode) it holds at `time` (at 0: where its run starts, ready)."""
-        last = len(self.plans) - 1
-        first = min(int(time // self.window_s), last)
-        span = self.plans[first:min(int((time + self.lead_s) // self.window_s), last) + 1]
+        span = self._span(self.plans, time, self.lead_s)
         p, d = max(x[0] for x in span) + self.margin[0], max(x[1] for x in span) + self.margin[1]
-        return max(1, p), max(1, d)
+        if self.split_plans is None:
+            return max(1, p), max(1, d)
+        # flips: the cold start bounds the total only (the largest window's, not each role's largest), and
+        # within it each role gets what the windows a flip ahead need with its margin; what is left goes where
+        # the total's own plans put it
+        total = max(2, max(x[0] + x[1] for x in span) + sum(self.margin))
+        near = self._span(self.split_plans, time, self.split_lead_s)
+        want_p = max(1, max(x[0] for x in near) + self.margin[0])
+        want_d = max(1, max(x[1] for x in near) + self.margin[1])
+        if want_p + want_d <= total:
+            sp = want_p + min(total - want_p - want_d, max(0, p - want_p))
+        else:
+            sp = round(total * want_p / (want_p + want_d))
+        sp = min(max(1, sp), total - 1)
+        return sp, total - sp
 
     def decide(self, obs: Observation) -> tuple[int, int, str]:
-        return *self.at(obs.time), f"the largest plan of the next {self.lead_s:.0f} s, margin {self.margin}"
+        split = "" if self.split_plans is None else f", split by the plans of the next {self.split_lead_s:.0f} s"
+        return *self.at(obs.time), f"the largest plan of the next {self.lead_s:.0f} s, margin {self.margin}{split}"

@@ -42,9 +42,12 @@ class Window:
 
     def observe(self, now: float, workers: Iterable[SimWorker]) -> Observation:
         span = max(1e-9, now - self.start)
-        by_role: dict[str, list[SimWorker]] = {"prefill": [], "decode": []}
+        by_role: dict[str, list[SimWorker]] = {"prefill": [], "decode": []}  # by the work they hold
+        flipping_in = {"prefill": 0, "decode": 0}  # flipping workers, by the role they will serve
         for w in workers:
             by_role[w.role].append(w)
+            if w.state == WorkerState.FLIPPING and w.flip_to is not None:
+                flipping_in[w.flip_to] += 1
         ttft = Percentiles.of(self.ttfts)
         roles = {}
         for role, ws in by_role.items():
@@ -66,11 +69,12 @@ class Window:
             self.itl_samples += samples
             hit = cached / admitted if admitted else 0.0
             n = counts.arrivals
-            live = [w for w in ws if w.state in (WorkerState.READY, WorkerState.DRAINING)]
+            live = [w for w in ws if w.state in (WorkerState.READY, WorkerState.DRAINING, WorkerState.FLIPPING)]
             roles[role] = RoleObservation(
                 role=role, replicas_ready=len(ready),
                 replicas_starting=sum(w.state == WorkerState.STARTING for w in ws),
                 replicas_draining=sum(w.state == WorkerState.DRAINING for w in ws),
+                replicas_flipping=flipping_in[role],
                 idle_replicas=sum(not w.has_work for w in ready),
                 arrival_rate=n / span,
                 input_tokens_per_s=counts.input_tokens * (1 - hit) / span,

@@ -2,8 +2,10 @@
 picks a decode and a prefill worker (this module is its `WorkerView`), the decode worker reserves KV or
 prefills locally (as decode_worker/service.py), the prefill worker computes the prompt and streams its KV
 (landing after max(prefill end + tail, prefill start + bytes / bandwidth)), the decode worker decodes; every
-control interval a scaling law sees an `Observation` and its decision is actuated: new workers load the model
-for `model_load_s` (using their GPUs meanwhile), removed ones drain (or are killed, for laws that do).
+control interval a scaling law sees an `Observation` and its decision is actuated: with `flips`, workers move
+between the roles first (a flipping worker takes no new work, drains what it holds, and serves the other role
+`flip_s` later), then new workers load the model for the cold start (using their GPUs meanwhile) and removed
+ones drain (or are killed, for laws that do).
 
 Events are (time, seq, kind, payload, version); arrivals stream from the sorted request list. Deterministic:
 no randomness after the requests are made, ties broken by insertion order.
@@ -17,16 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.autoscaler.bounds import Bounds, clamp
+from splitserve.autoscaler.flips import flips_between
 from splitserve.autoscaler.observations import Observation
 from splitserve.autoscaler.profile import ReplicaProfile
-from splitserve.autoscaler.sim.laws import ScalingLaw
+from splitserve.autoscaler.sim.laws import FlipPlanner, ScalingLaw
 from splitserve.autoscaler.sim.metrics import Window
 from splitserve.autoscaler.sim.trace import PromptTokens, SimRequest, Status
 from splitserve.autoscaler.sim.worker import SimWorker, WorkerState
 from splitserve.common.config import SpillSpec
 from splitserve.router.policy import Charge, RequestFeatures, WorkerLoad, make_policy
 
-STEP_END, LAND, READY, TICK, DRAIN_DEADLINE = range(5)
+STEP_END, LAND, READY, TICK, DRAIN_DEADLINE, FLIP_DONE = range(6)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,10 @@ class SimSettings:
     routing: str = "least_loaded"  # router.policy
     block_size: int = 16
     gpus_per_replica: int = 1  # tensorParallelSize
-    model_load_s: float | None = None  # default: the profile's
+    cold_start_s: float | None = None  # s a new worker loads before it serves (default: the profile's, for `engine`)
+    engine: str = "native"  # whose cold start the profile gives
+    flips: bool = False  # workers can move between the roles (the law's flips; else `flips_between` its targets)
+    flip_s: float | None = None  # s a drained worker takes to serve the other role (default: the profile's)
     drain_seconds: float = 120.0  # a draining worker is stopped after this, failing what is left
     prefix_cache: bool = True  # workers keep the hash-id blocks of prompts they computed or received
     rpc_s: float = 0.0  # s added to every first token (gateway + gRPC), from calibration
@@ -51,7 +57,11 @@ class SimSettings:
 
     @property
     def load_s(self) -> float:
-        return self.profile.model_load_seconds if self.model_load_s is None else self.model_load_s
+        return self.profile.cold_start(self.engine) if self.cold_start_s is None else self.cold_start_s
+
+    @property
+    def switch_s(self) -> float:
+        return self.profile.flip_seconds if self.flip_s is None else self.flip_s
 
     def feasible(self, req: SimRequest) -> bool:
         """Could an idle cluster give this request its first token within the TTFT objective? (Prompts whose
@@ -80,6 +90,7 @@ class SimResult:
     law: str
     settings: SimSettings
     events: int  # events processed (a cost measure)
+    flips: int = 0  # workers that changed role
 
     def attainment(self, start: float = -math.inf, end: float = math.inf, feasible_only: bool = False) -> float:
         """Fraction of requests arriving in [start, end) that met both objectives (of those an idle cluster
@@ -113,6 +124,7 @@ class Simulation:
         self._count = 0
         self._charges: dict[int, Charge] = {}  # rid -> its share of the named workers' load (as the gateway's)
         self._ready_loads: dict[str, list[WorkerLoad]] = {}  # role -> ready workers' loads (reset on any change)
+        self.flips = 0  # flips completed
         for role, n in zip(("prefill", "decode"), initial, strict=True):
             for _ in range(n):
                 self._start_worker(role, 0.0, ready=True)
@@ -146,7 +158,9 @@ class Simulation:
                 elif kind == READY:
                     self._ready(payload, now)
                 elif kind == DRAIN_DEADLINE:
-                    self._drain_deadline(payload, now)
+                    self._drain_deadline(payload, version, now)
+                elif kind == FLIP_DONE:
+                    self._flip_done(payload, version, now)
             elif i < n:
                 now = t_arr
                 if now > self.s.max_time_s:
@@ -166,7 +180,7 @@ class Simulation:
                 w.gone_at = end
         gpu_s = sum(max(0.0, w.gone_at - w.started) for w in self.workers) * self.s.gpus_per_replica
         return SimResult(reqs, end, gpu_s, self.timeline, self.observations, self.window.itl_samples,
-                         self.law.name, self.s, self._count)
+                         self.law.name, self.s, self._count, self.flips)
 
     def _push(self, t: float, kind: int, payload: Any, version: int = 0) -> None:
         self._seq += 1
@@ -211,7 +225,7 @@ class Simulation:
 
     def _kick(self, w: SimWorker, now: float) -> None:
         """New work for `w`: start a step if idle; cut a long decode macro-step at its next boundary."""
-        if w.state not in (WorkerState.READY, WorkerState.DRAINING):
+        if w.state not in (WorkerState.READY, WorkerState.DRAINING, WorkerState.FLIPPING):
             return
         end = w.interrupt(now) if w.busy else w.start_step(now)
         if end is not None:
@@ -236,7 +250,7 @@ class Simulation:
         end = w.start_step(now)
         if end is not None:
             self._push(end, STEP_END, w, w.version)
-        self._retire_if_drained(w, now)
+        self._settle(w, now)
 
     def _land(self, req: SimRequest, now: float) -> None:
         if req.done:
@@ -246,7 +260,7 @@ class Simulation:
         pre.release(req)
         pre.sync_load()
         dec.cache_insert(req)
-        self._retire_if_drained(pre, now)
+        self._settle(pre, now)
         req.first_token = req.last_token = now
         req.generated = 1
         self.window.ttfts.append(req.ttft)
@@ -288,21 +302,78 @@ class Simulation:
         if self.s.bounds is not None:  # the actuator applies any provider's numbers within the bounds
             p, d, notes = clamp(p, d, self.s.bounds)
             reason += f"; clamped by {', '.join(notes)}" if notes else ""
+        if self.s.flips:  # flips first, then starts and stops for the rest
+            move = self._moves(p, d)
+            if move is not None:
+                self._flip(*move, now)
         self._apply("prefill", p, now)
         self._apply("decode", d, now)
         point = {}
         for role, want in (("prefill", p), ("decode", d)):
             ws = self.live[role]
             point[role] = {st.value: sum(w.state == st for w in ws) for st in
-                           (WorkerState.READY, WorkerState.STARTING, WorkerState.DRAINING)} | {"desired": want}
+                           (WorkerState.READY, WorkerState.STARTING, WorkerState.DRAINING, WorkerState.FLIPPING)
+                           } | {"desired": want}
         gpus = (len(self.live["prefill"]) + len(self.live["decode"])) * self.s.gpus_per_replica
         self.timeline.append(TimelinePoint(now, point["prefill"], point["decode"], gpus, reason))
         if self._done < len(self.requests):
             self._push(now + self.law.interval_s, TICK, None)
 
+    def _serving(self, role: str) -> list[SimWorker]:
+        """Workers counted in `role`: loading, serving, or flipping in from the other role."""
+        return [w for w in self.live[role] if w.state in (WorkerState.STARTING, WorkerState.READY, WorkerState.FLIPPING)]
+
+    def _moves(self, p: int, d: int) -> tuple[str, str, int] | None:
+        """The flip the law planned (it counts its workers in `p`, `d` already), or for a law that plans none
+        the one `flips_between` its targets finds."""
+        if isinstance(self.law, FlipPlanner):
+            flip = self.law.last_flip()
+            return None if flip is None else (flip.source, flip.target, flip.workers)
+        return flips_between((len(self._serving("prefill")), len(self._serving("decode"))), (p, d))
+
+    def _flip(self, source: str, target: str, k: int, now: float) -> None:
+        """Move k workers from `source` to `target`, cheapest first: one flipping into `source` is called back (it
+        still holds, or just left, `target`'s work); one loading is told its role before it registers; one
+        draining for a scale-down flips instead of exiting; then the ready ones holding the least."""
+        ws = self.live[source]
+        back = [w for w in ws if w.state == WorkerState.FLIPPING]
+        loading = sorted((w for w in ws if w.state == WorkerState.STARTING), key=lambda w: w.ready_at)
+        draining = [w for w in ws if w.state == WorkerState.DRAINING]
+        ready = sorted((w for w in ws if w.state == WorkerState.READY),
+                       key=lambda w: (w.load.outstanding, len(w.inflight), w.started))
+        for w in (back + loading + draining + ready)[:k]:
+            ws.remove(w)
+            self.live[target].append(w)
+            w.flip_seq += 1
+            if w.state == WorkerState.FLIPPING:  # called back: it still is a `target` worker (or just left)
+                w.state, w.flip_to, w.switching = WorkerState.READY, None, False
+                w.load.draining = False
+            elif w.state == WorkerState.STARTING:
+                w.become(target, self._profile(target))
+            else:
+                self._begin_flip(w, target, now)
+            self._ready_loads.clear()
+
+    def _begin_flip(self, w: SimWorker, target: str, now: float) -> None:
+        w.state, w.flip_to, w.switching = WorkerState.FLIPPING, target, False
+        w.load.draining = True
+        self._settle(w, now)
+
+    def _flip_done(self, w: SimWorker, seq: int, now: float) -> None:
+        if seq != w.flip_seq or w.state != WorkerState.FLIPPING or w.has_work:
+            return
+        assert w.flip_to is not None
+        w.state = WorkerState.READY
+        w.become(w.flip_to, self._profile(w.flip_to))
+        self.flips += 1
+        self._ready_loads.clear()
+
+    def _profile(self, role: str) -> ReplicaProfile:
+        return self.s.prefill_profile if role == "prefill" and self.s.prefill_profile else self.s.profile
+
     def _apply(self, role: str, target: int, now: float) -> None:
         ws = self.live[role]
-        serving = [w for w in ws if w.state in (WorkerState.STARTING, WorkerState.READY)]
+        serving = self._serving(role)
         n = len(serving)
         if target > n:
             for w in [w for w in ws if w.state == WorkerState.DRAINING][:target - n]:
@@ -314,10 +385,18 @@ class Simulation:
             return
         remove = n - target
         starting = sorted((w for w in serving if w.state == WorkerState.STARTING), key=lambda w: -w.started)
+        flipping = [w for w in serving if w.state == WorkerState.FLIPPING]
         ready = sorted((w for w in serving if w.state == WorkerState.READY),
                        key=lambda w: (w.load.outstanding, len(w.inflight), w.started))
-        for w in (starting + ready)[:remove]:
-            if w.state == WorkerState.STARTING or not w.has_work:
+        for w in (starting + flipping + ready)[:remove]:
+            if w.state == WorkerState.FLIPPING:  # not wanted in its new role either: it drains and exits
+                ws.remove(w)
+                self.live[w.role].append(w)
+                w.flip_seq += 1
+                w.state, w.flip_to, w.switching = WorkerState.DRAINING, None, False
+                self._push(now + self.s.drain_seconds, DRAIN_DEADLINE, w, w.flip_seq)
+                self._settle(w, now)
+            elif w.state == WorkerState.STARTING or not w.has_work:
                 self._retire(w, now)
             elif self.law.kills_on_scale_down:
                 for req in w.kill(now):
@@ -326,12 +405,12 @@ class Simulation:
             else:
                 w.state, w.load.draining = WorkerState.DRAINING, True
                 self._ready_loads.clear()
-                self._push(now + self.s.drain_seconds, DRAIN_DEADLINE, w)
+                self._push(now + self.s.drain_seconds, DRAIN_DEADLINE, w, w.flip_seq)
 
     def _start_worker(self, role: str, now: float, ready: bool) -> SimWorker:
         name = f"{role}-{len(self.workers)}"
         load_s = 0.0 if ready else self.s.load_s
-        prof = self.s.prefill_profile if role == "prefill" and self.s.prefill_profile else self.s.profile
+        prof = self._profile(role)
         w = SimWorker(name, role, prof, now, now + load_s, self.s.itl_s,
                       self.s.prefix_cache, self.s.join_quantum_s)
         self.workers.append(w)
@@ -350,12 +429,18 @@ class Simulation:
         w.load.healthy = True
         self._ready_loads.clear()
 
-    def _retire_if_drained(self, w: SimWorker, now: float) -> None:
-        if w.state == WorkerState.DRAINING and not w.has_work:
+    def _settle(self, w: SimWorker, now: float) -> None:
+        """A draining worker with nothing left exits; a flipping one starts its switch."""
+        if w.has_work:
+            return
+        if w.state == WorkerState.DRAINING:
             self._retire(w, now)
+        elif w.state == WorkerState.FLIPPING and not w.switching:
+            w.switching = True
+            self._push(now + self.s.switch_s, FLIP_DONE, w, w.flip_seq)
 
-    def _drain_deadline(self, w: SimWorker, now: float) -> None:
-        if w.state != WorkerState.DRAINING:
+    def _drain_deadline(self, w: SimWorker, seq: int, now: float) -> None:
+        if w.state != WorkerState.DRAINING or seq != w.flip_seq:  # not draining, or since a flip called off
             return
         for req in w.kill(now):
             self._fail(req, now)

@@ -30,6 +30,7 @@ class WorkerState(enum.Enum):
     STARTING = "starting"  # loading the model (uses its GPUs, serves nothing)
     READY = "ready"
     DRAINING = "draining"  # finishing its requests, takes no new ones
+    FLIPPING = "flipping"  # finishing its old role's requests, takes no new ones, then serves `flip_to`
     GONE = "gone"
 
 
@@ -73,9 +74,20 @@ class SimWorker:
         self.itl_samples: list[tuple[float, int]] = []  # (step s, tokens) of decode steps (drained likewise)
         self.version = 0  # bumps when the scheduled step end changes: older events are stale
         self.cache: OrderedDict[int, None] | None = OrderedDict() if prefix_cache else None
+        self.flip_to: str | None = None  # FLIPPING: the role it serves next
+        self.flip_seq = 0  # bumps on every flip started or called off: an older FLIP_DONE is stale
+        self.switching = False  # FLIPPING and drained: the switch (flip_s) is under way
         self._step: _Step | None = None
 
     # -- state ---------------------------------------------------------------------------------------------
+    def become(self, role: str, profile: ReplicaProfile) -> None:
+        """Serve `role` from now (a flip's end; the worker holds no request). Its prefix cache stays."""
+        assert not self.inflight
+        self.role, self.profile, self.cost = role, profile, profile.cost
+        self.held.clear()
+        self.load = WorkerLoad(self.name, self.name, role, healthy=self.state == WorkerState.READY)
+        self.flip_to, self.switching = None, False
+
     @property
     def busy(self) -> bool:
         return self._step is not None

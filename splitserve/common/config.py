@@ -234,8 +234,12 @@ class AutoscalingSpec(Spec):
     """Least time after any change before a role scales down."""
     gpu_budget: Annotated[int, Field(ge=1)] | None = None
     """Most GPUs the cluster's workers may hold together; none: no cap."""
-    model_load_seconds: Seconds = 60.0
-    """Measured seconds from starting a worker to its first request (model load + warm-up); scale-up leads the forecast load by this much."""
+    cold_start_seconds: Seconds | None = None
+    """Measured seconds from asking for a worker to its first request (process or pod start, weights, warm-up). The autoscaler plans every start with it: scale-up leads the forecast load by this much, and a start is weighed against a role flip. none: the replica profile's measurement for the cluster's engine (an H200, 8B model: native 20 s, vllm 150 s, whose torch.compile and CUDA graphs take most of it)."""
+    role_flips: bool = False
+    """Let the autoscaler move workers between prefill and decode without a restart when the total is right but the split is wrong: a worker stops taking its old role's work, drains it, and serves the other role within flipSeconds. Starts and stops are kept for the remainder. The workers must be able to run either role."""
+    flip_seconds: Seconds | None = None
+    """Seconds a drained worker takes to serve the other role (re-registration, every gateway's view following); its drain is its own requests'. none: the replica profile's."""
     warm_replicas: Count = 0
     """Ready replicas per role kept above the planned need, to serve a burst while new ones load."""
     planner_interval_seconds: Seconds = 60.0
