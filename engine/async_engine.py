@@ -105,6 +105,11 @@ class AsyncEngine:
         self._commands.append(lambda: self.engine.add_layer_hook(hook))
         self._wake.set()
 
+    def remove_layer_hook(self, hook: KVLayerHook) -> None:
+        """Between two steps (a prefill role's hook goes when the worker flips to decode)."""
+        self._commands.append(lambda: self.engine.remove_layer_hook(hook))
+        self._wake.set()
+
     def add_kv_event_listener(self, listener: KVEventListener) -> None:
         self._commands.append(lambda: self.engine.add_kv_event_listener(listener))
         self._wake.set()

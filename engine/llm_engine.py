@@ -81,6 +81,10 @@ class LLMEngine:
                              "(rank_plan)")
         self.layer_hooks.append(hook)
 
+    def remove_layer_hook(self, hook: KVLayerHook) -> None:
+        if hook in self.layer_hooks:
+            self.layer_hooks.remove(hook)
+
     def follower_links(self) -> list[RankLink]:
         """Message links to ranks 1..N-1 (index r-1 for rank r); empty on one device."""
         return list(self._links)

@@ -163,7 +163,10 @@ class NativePrefillHandover:
                              finished)
 
     async def close(self) -> None:
+        """The hook leaves the engine with it (the worker may go on in the decode role: no per-layer hook left
+        then, so its decode steps may overlap again)."""
         await self._tasks.close()
+        self.engine.remove_layer_hook(self.hook)
         if self.pool is not None:
             await self.pool.close()
         self.agent.close()

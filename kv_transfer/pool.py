@@ -102,6 +102,7 @@ class KVPool:
         self._tasks.spawn(self._write_loop(), "writer")
 
     async def close(self) -> None:
+        self.write_enabled = False  # its listener stays on the engine (no removal seam): it queues nothing more
         await self._tasks.close()
 
     async def _write_loop(self) -> None:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics,
-/openapi.json.
+/openapi.json, and POST /admin/flip (a worker's role flip, `router.flips`).
 
 Per request: check the body (type and size, before reading it all), parse and tokenize it off the event loop,
 wait for a seat (bounded admission), let the gateway route and generate, and answer as JSON or SSE. Nothing here
@@ -30,8 +30,8 @@ from splitserve import __version__
 from splitserve.common.config import ClusterSpec
 from splitserve.common.membership import Membership, StaticMembership
 from splitserve.common.redis_link import RedisLink
+from splitserve.router import flips, openapi
 from splitserve.router import metrics as m
-from splitserve.router import openapi
 from splitserve.router.admission import Admission
 from splitserve.router.cluster import ClusterState
 from splitserve.router.errors import APIError, bad
@@ -305,6 +305,15 @@ class HTTPApi:
                                                        cluster.instances().get(w) != i)}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    async def flip(self, request: Request) -> Response:
+        """A worker's role flip (API keys, when set, are asked for as on every call)."""
+        try:
+            self._check_key(request)
+            answer = await flips.flip(self.gw, flips.parse_flip(await self._body(request)))
+        except APIError as e:
+            return e.response()
+        return JSONResponse(answer)
+
     async def metrics(self, _: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -350,6 +359,7 @@ def build_app(spec: ClusterSpec, membership: Membership | None = None,
             Route("/health", api.health, methods=["GET"]),
             Route("/metrics", api.metrics, methods=["GET"]),
             Route("/openapi.json", api.openapi, methods=["GET"]),
+            Route("/admin/flip", api.flip, methods=["POST"]),
         ],
         lifespan=lifespan,
         exception_handlers={Exception: server_error, 404: not_found, 405: method_not_allowed},

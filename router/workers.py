@@ -6,6 +6,9 @@ answering but not ready), `slow` (still accepts connections, but several health 
 unanswered) or `down` (its connection broke after it had answered once). One late answer from a busy worker
 changes nothing; while a role has workers that are merely slow or starting, requests wait for them (bounded by
 the queue timeout) instead of failing.
+
+A worker that flips its role keeps its name, instance and connection: when membership names it under its new
+role, its view changes role in place.
 """
 
 from __future__ import annotations
@@ -74,11 +77,26 @@ class WorkerSet:
                 load = WorkerLoad(name, info.endpoint, info.role, healthy=False, instance_id=info.instance_id)
                 worker = self.by_name[name] = Worker(info, self.connect(info.endpoint), load)
                 HEALTH_FLAPS.labels(info.endpoint, info.role)  # the series exists from the start
+            elif info.role != worker.info.role:
+                self._role_changed(worker, info)
             worker.info = info
             load = worker.load
             load.draining = load.draining or info.draining
             load.num_waiting, load.num_running = info.num_waiting, info.num_running
             load.kv_blocks_used, load.kv_capacity_blocks = info.kv_blocks_used, info.kv_capacity_blocks
+
+    def _role_changed(self, worker: Worker, info: WorkerInfo) -> None:
+        """A role flip: the worker registered under its new role (it serves it already)."""
+        old = worker.info.role
+        try:
+            WORKER_HEALTHY.remove(worker.endpoint, old)
+        except KeyError:
+            pass  # never checked under its old role
+        HEALTH_FLAPS.labels(info.endpoint, info.role)
+        worker.load.role = info.role
+        worker.load.draining = info.draining
+        WORKER_HEALTHY.labels(worker.endpoint, info.role).set(int(worker.state == "up"))
+        log.info("worker %s (%s) now serves %s", worker.endpoint, old, info.role)
 
     def _close_retired(self) -> None:
         if not _loop_running():
@@ -153,7 +171,9 @@ class WorkerSet:
         worker.load.draining = h.draining or worker.info.draining
         role_ok = h.role == worker.info.role or (worker.info.role == "decode" and h.role == "both") or \
             (worker.info.role == "both" and h.role in ("both", "decode"))
-        if not role_ok:
+        if not role_ok and (h.draining or worker.info.draining):  # a role flip: membership follows in a moment
+            self._set_state(worker, "starting", f"changing role: it serves {h.role}, registered as {worker.info.role}")
+        elif not role_ok:
             self._set_state(worker, "down", f"it serves {h.role}, not {worker.info.role}")
         elif not h.live:
             self._set_state(worker, "down", "its engine stopped")

@@ -22,6 +22,7 @@ from splitserve.cli_options import config_command, flag
 from splitserve.cli_simulate import simulate
 from splitserve.common.config import ClusterResource
 from splitserve.common.logs import setup_logging
+from splitserve.common.role_flips import FLIP_DRAIN_SECONDS, FLIP_TIMEOUT_SECONDS
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -476,6 +477,50 @@ def _bench_target(config_path: str | None, url: str | None, model: str | None, s
         fail(str(e))
     return (url or f"http://127.0.0.1:{spec.router.port}", model or spec.model.served_name,
             spec.slo.ttft_seconds if slo_ttft is None else slo_ttft, spec.slo.itl_seconds if slo_itl is None else slo_itl)
+
+
+# -- operating a running cluster --------------------------------------------------------------------------
+@app.command("flip")
+@click.option("--url", required=True, help="the gateway's base URL, e.g. http://127.0.0.1:8000")
+@click.option("--worker", required=True, help="the worker's name, as the gateway's /health lists it")
+@click.option("--to", "role", type=click.Choice(["prefill", "decode"]), required=True, help="the role it is to serve")
+@click.option("--drain-seconds", type=click.FloatRange(0, 3600), default=FLIP_DRAIN_SECONDS, show_default=True,
+              help="how long its requests may finish before its streams move to other decode workers (a prefill "
+                   "worker's prefills always finish)")
+@click.option("--timeout", type=click.FloatRange(0, 3600, min_open=True), default=FLIP_TIMEOUT_SECONDS,
+              show_default=True, help="seconds to wait for the worker to serve its new role")
+@click.option("--api-key", envvar="SPLITSERVE_API_KEY", default=None,
+              help="the gateway's API key, when it asks for one [env: SPLITSERVE_API_KEY]")
+def flip(url: str, worker: str, role: str, drain_seconds: float, timeout: float, api_key: str | None) -> None:
+    """Move a worker to the other role without a restart: it stops taking its role's work, lets it finish (its
+    streams still running after --drain-seconds move to other decode workers), and registers under the new
+    role. Exits 0 once the gateway sees it serving, printing the seconds it took."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"worker": worker, "role": role, "drain_seconds": drain_seconds,
+                       "timeout_seconds": timeout}).encode()
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+    req = urllib.request.Request(url.rstrip("/") + "/admin/flip", data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout + 10) as r:  # noqa: S310 (the URL the operator gave)
+            answer = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        fail(_error_message(e), code=1)
+    except (urllib.error.URLError, OSError) as e:  # refused, unreachable, or no answer in time
+        fail(f"--url: no answer from the gateway at {url} ({getattr(e, 'reason', e)})", code=1)
+    except ValueError:
+        fail(f"--url: {url} did not answer as a splitserve gateway (not JSON)", code=1)
+    click.echo(f"worker {answer['worker']} serves {answer['to']} (was {answer['from']}) after {answer['seconds']:.2f} s; "
+               f"{answer['moved_streams']} streams moved")
+
+
+def _error_message(e) -> str:
+    """The gateway's error message from an HTTP error answer (OpenAI-shaped JSON), else its status."""
+    try:
+        return json.loads(e.read())["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"the gateway answered {e.code} {e.reason}"
 
 
 # -- commands that live in their own modules: Kubernetes, the autoscaling simulator -----------------------

@@ -6,8 +6,10 @@ built). Each role assembles its own service (`splitserve.prefill_worker.build`, 
 this module knows no role's internals. The HTTP server runs on its own thread and event loop and reads the
 engine's last published counters, so a long step or a busy gRPC loop never delays a probe or a scrape.
 On SIGTERM the worker drains: it reports itself draining (the gateways send it nothing new), finishes its
-requests in flight for up to the role's `drainSeconds`, and exits. Hosting is apart from assembly: `serve` runs
-a worker until its stop event is set, `run_process` makes this process the host (signals set the event).
+requests in flight for up to the role's `drainSeconds`, and exits. A role flip (the `flip` call) drains the same
+way for its call's drain seconds, then builds the other role's service on the same engine, by the path the
+start takes (`Worker.assemble`), and registers under that role. Hosting is apart from assembly: `serve` runs a
+worker until its stop event is set, `run_process` makes this process the host (signals set the event).
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ from splitserve.common.protocol.server import GrpcWorkerServer
 from splitserve.common.redis_link import RedisLink
 from splitserve.common.redis_wire import Keys, RegistryEntry
 from splitserve.common.registry import RedisMembership, Registration
+from splitserve.common.role_flips import flip_problem
 from splitserve.common.worker_context import WorkerContext
 from splitserve.common.worker_messages import (
     Draining,
+    FlipCall,
+    FlipRefused,
+    FlipReply,
     GenerateCall,
     GenerateChunk,
     HealthReport,
@@ -52,6 +58,8 @@ from splitserve.common.worker_messages import (
 )
 from splitserve.common.worker_metrics import (
     HEALTH_FLAPS,
+    ROLE_FLIP_SECONDS,
+    ROLE_FLIPS,
     WORKER_ENGINE,
     WORKER_KV_TOTAL,
     WORKER_KV_USAGE,
@@ -100,24 +108,31 @@ def load_engine(spec: ClusterSpec, role: str) -> ServingEngine:
 
 class Worker:
     """A worker's calls (the `WorkerHandler` its gRPC server serves) and where it stands: loading (no service
-    yet), ready, draining, dead (its engine stopped). Calls go to the role's service; the calls in flight are
-    counted, and the streams still running when the drain runs out are ended so that they move."""
+    yet), ready, draining, changing role (a flip), dead (its engine stopped). Calls go to the role's service;
+    the calls in flight are counted, and the streams still running when the drain runs out are ended so that
+    they move. `presence` and `ctx` are set by its host before `assemble`."""
 
     def __init__(self, spec: ClusterSpec, role: str) -> None:
         self.spec = spec
         self.role = role
         self.engine: ServingEngine | None = None
         self.service: Any = None  # the role's service once built (readiness)
+        self.presence: ClusterPresence | None = None
+        self.ctx: WorkerContext | None = None
         self.outstanding = 0
         self.draining = False
+        self.switching = False  # a flip is under way: nothing new is taken
         self._was_healthy = False
         self._streams: set[asyncio.Task] = set()  # the generate calls in flight
         self._moved: set[asyncio.Task] = set()  # those ended by the drain's end (moved to another worker)
+        self._flip: asyncio.Future[FlipReply] | None = None  # the flip under way (or the last one)
+        self._flip_target = ""
 
     @property
     def ready(self) -> bool:
-        ok = self.service is not None and not self.draining and not self.dead
-        if self._was_healthy and not ok and not self.draining:
+        leaving = self.draining or self.switching
+        ok = self.service is not None and not leaving and not self.dead
+        if self._was_healthy and not ok and not leaving:
             HEALTH_FLAPS.inc()  # it was serving, and now cannot (its engine died)
         self._was_healthy = ok
         return ok
@@ -135,6 +150,8 @@ class Worker:
         self._need_ready()
         if self.draining:  # before its gRPC server stops taking calls: the caller tries another worker
             raise Draining("worker is draining")
+        if self.switching:
+            raise Draining(f"worker is changing role to {self._flip_target}")
         handler = getattr(self.service, method, None)
         if handler is None:
             raise NotServed(f"a {self.role} worker does not serve {method}")
@@ -152,10 +169,12 @@ class Worker:
             if task not in self._moved:
                 raise
             # the drain ran out of time: the request ends here and the gateway moves it to another worker
+            why = "changing role" if self.switching else "stopping"
             yield GenerateChunk(call.request_id, [], finished=True, finish_reason="error",
-                                error="the worker is stopping: its drain time ran out", retry=RetryReason.DRAIN)
+                                error=f"the worker is {why}: its drain time ran out", retry=RetryReason.DRAIN)
         finally:
             self._streams.discard(task)
+            self._moved.discard(task)
             self.outstanding -= 1
 
     def move_streams(self) -> int:
@@ -186,7 +205,8 @@ class Worker:
         return True
 
     def health(self) -> HealthReport:
-        return HealthReport(live=not self.dead, ready=self.ready, role=self.role, draining=self.draining,
+        return HealthReport(live=not self.dead, ready=self.ready, role=self.role,
+                            draining=self.draining or self.switching,
                             model=self.spec.model.served_name, protocol_version=PROTOCOL_VERSION,
                             engine=self.spec.engine_of(self.role),
                             capabilities=frozenset({"resume"}) if self.role != "prefill" else frozenset())
@@ -194,6 +214,75 @@ class Worker:
     def load(self) -> LoadReport:
         self._need_ready()
         return LoadReport(**self.stats())
+
+    # -- the role's service, at the start and at a flip ------------------------------------------------
+    async def assemble(self, role: str) -> None:
+        """Build `role`'s service on the loaded engine: the one path a start and a flip share."""
+        self.service = await ROLES[role](self.spec, self.engine, self.ctx)
+        self.role = role
+
+    async def flip(self, call: FlipCall) -> FlipReply:
+        """Serve `call.role` instead, on the same engine. Raises `FlipRefused` when this worker cannot; the flip
+        runs to its end even when the caller gives up, and a second call for the same role waits for it."""
+        self._need_ready()
+        if self.draining:
+            raise Draining("worker is draining")
+        if self._flip is not None and not self._flip.done():
+            if call.role != self._flip_target:
+                raise FlipRefused(f"a flip to {self._flip_target} is under way")
+        else:
+            problem = flip_problem(self.spec, self.role, call.role, self.presence.link is not None)
+            if problem is not None:
+                raise FlipRefused(problem)
+            self._flip_target = call.role
+            self._flip = asyncio.ensure_future(self._flip_to(call.role, call.drain_seconds))
+        return await asyncio.shield(self._flip)
+
+    async def _flip_to(self, target: str, drain_s: float) -> FlipReply:
+        """Leave the role (registry: draining), let its requests finish (a decode worker's streams move after
+        `drain_s`; prefills always finish, within the KV transfer's timeout), swap the service, register as
+        `target`."""
+        t0 = time.monotonic()
+        source = self.role
+        self.switching = True
+        log.info("worker %s: flipping to %s (%d requests in flight)", source, target, self.outstanding)
+        try:
+            await self.presence.leave_role()
+            moved = await _drain(self, drain_s if source == "decode"
+                                 else max(drain_s, self.spec.kv_transfer.timeout_seconds))
+            try:
+                await self._swap(source, target)
+            finally:
+                await self.presence.serve_as(self.role)  # the new role (or, when it failed, the old one again)
+        finally:
+            self.switching = False
+        seconds = time.monotonic() - t0
+        ROLE_FLIPS.labels(source, target, "ok").inc()
+        ROLE_FLIP_SECONDS.labels(target).observe(seconds)
+        log.info("worker flipped %s -> %s in %.2f s (%d streams moved)", source, target, seconds, moved,
+                 extra={"fields": {"source": source, "target": target, "seconds": round(seconds, 3),
+                                   "moved_streams": moved}})
+        return FlipReply(target, source, seconds, moved)
+
+    async def settle_flip(self) -> None:
+        """Until the flip under way (if any) has ended: its service is being swapped."""
+        if self._flip is not None and not self._flip.done():
+            await asyncio.gather(self._flip, return_exceptions=True)
+
+    async def _swap(self, source: str, target: str) -> None:
+        """The old role's service closed, the new one's built; if it cannot be, the old one again."""
+        engine = self.spec.engine_of(source)
+        await self.service.close()
+        try:
+            await self.assemble(target)
+        except (OSError, RuntimeError, ValueError) as e:  # its KV transfer agent or pool did not start
+            ROLE_FLIPS.labels(source, target, "failed").inc()
+            log.error("worker %s: the %s service could not be built (%s); serving %s again", source, target, e,
+                      source)
+            await self.assemble(source)
+            raise FlipRefused(f"the {target} service could not be built on this worker: {e}") from None
+        WORKER_ENGINE.remove(engine, source)
+        WORKER_ENGINE.labels(engine, target).set(1)
 
     def stats(self) -> dict:
         """The engine's last published counters (safe from any thread; never waits for a step)."""
@@ -287,6 +376,16 @@ class ClusterPresence:
         if self.registration is not None:
             await self.registration.drain()
 
+    async def leave_role(self) -> None:
+        """A flip begins: the entry says draining (gateways and peers send this worker nothing new)."""
+        await self.drain()
+
+    async def serve_as(self, role: str) -> None:
+        """A flip is done: the entry names `role` and takes requests again."""
+        self.role = role
+        if self.registration is not None:
+            await self.registration.serve_as(role)
+
     async def close(self) -> None:
         if self.registration is not None:
             await self.registration.close()
@@ -298,9 +397,9 @@ class ClusterPresence:
             await self.link.close()
 
 
-async def _drain(worker: Worker, seconds: float) -> None:
-    """Let the calls in flight finish for up to `seconds`; then tell the streams still running to move. A worker
-    whose engine died waits for nothing: its calls cannot finish here."""
+async def _drain(worker: Worker, seconds: float) -> int:
+    """Let the calls in flight finish for up to `seconds`; then tell the streams still running to move (returns
+    how many). A worker whose engine died waits for nothing: its calls cannot finish here."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     while worker.outstanding and not worker.dead and loop.time() < deadline:
@@ -312,6 +411,7 @@ async def _drain(worker: Worker, seconds: float) -> None:
         end = loop.time() + STOP_GRACE_SECONDS
         while worker.outstanding and loop.time() < end:
             await asyncio.sleep(0.05)  # their last message goes out
+    return moved
 
 
 def advertised(host: str, advertise_host: str | None) -> str:
@@ -387,6 +487,7 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
     presence = ClusterPresence(spec, role, name or f"{socket.gethostname()}-{role_spec.port}",
                                f"{adv}:{role_spec.port}", f"http://{adv}:{role_spec.metrics_port}")
     await presence.start()
+    worker.presence = presence
     if spec.engine_of(role) == "vllm":
         from splitserve.vllm_engine.engine import launch
 
@@ -403,19 +504,21 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
                 code = 2
             else:
                 worker.engine = loader.result()
-                ctx = WorkerContext(presence.name, presence.instance_id, host, presence.membership, presence.link,
-                                    presence.keys)
-                worker.service = await ROLES[role](spec, worker.engine, ctx)
+                worker.ctx = WorkerContext(presence.name, presence.instance_id, host, presence.membership,
+                                           presence.link, presence.keys)
+                await worker.assemble(role)
                 await presence.join(worker.engine)
                 log.info("worker %s ready", role)
                 await waiter
+        await worker.settle_flip()
         worker.draining = True
         await presence.drain()
-        log.info("worker %s draining: %d requests in flight (up to %.0f s)", role, worker.outstanding,
-                 role_spec.drain_seconds)
-        await _drain(worker, role_spec.drain_seconds)
+        drain_s = spec.role(worker.role).drain_seconds  # the role it serves now (a flip may have changed it)
+        log.info("worker %s draining: %d requests in flight (up to %.0f s)", worker.role, worker.outstanding,
+                 drain_s)
+        await _drain(worker, drain_s)
         await server.stop(grace=STOP_GRACE_SECONDS)
-        log.info("worker %s stopped", role)
+        log.info("worker %s stopped", worker.role)
     finally:
         http.stop()
         if worker.service is not None:
@@ -431,5 +534,5 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
         elif not loader.done() and spec.engine_of(role) == "vllm":  # it sees the stop and stops its server
             await asyncio.gather(loader, return_exceptions=True)
         # stopped while loading: the load thread finishes on its own; the host decides whether to wait for it
-        log.info("worker %s closed", role)
+        log.info("worker %s closed", worker.role)
     return code

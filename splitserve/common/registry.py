@@ -5,7 +5,8 @@ A worker's entry is a key holding its record; its lease is its score in the mode
 Redis server's clock, a few seconds ahead), refreshed with the record about every second. A worker that stops refreshing drops out of every view when
 its lease expires; one that restarts under the same name comes back with a new instance id, which tells
 readers to drop whatever they knew of the old one. A draining worker (SIGTERM, scale-down) marks its entry so,
-and gets nothing new. When Redis is unreachable, readers keep their last view.
+and gets nothing new. A worker that flips its role marks its entry draining while it changes, then rewrites it
+under the new role with the same name and instance id (readers keep what they knew of it: its cache is the same). When Redis is unreachable, readers keep their last view.
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ class Registration:
     async def drain(self) -> None:
         """Mark this worker draining in the registry (gateways and peers send it nothing new)."""
         self.entry = replace(self.entry, draining=True)
+        await self._write()
+
+    async def serve_as(self, role: str) -> None:
+        """A role flip is done: the entry names `role` and takes requests again (written now; if Redis does not
+        answer, the next refresh writes it)."""
+        self.entry = replace(self.entry, role=role, draining=False)
         await self._write()
 
     async def close(self) -> None:

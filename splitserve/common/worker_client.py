@@ -19,6 +19,8 @@ from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
 from splitserve.common.protocol.convert import (
     chunk_from_pb,
+    flip_call_to_pb,
+    flip_reply_from_pb,
     generate_call_to_pb,
     health_from_pb,
     load_from_pb,
@@ -27,6 +29,8 @@ from splitserve.common.protocol.convert import (
 )
 from splitserve.common.worker_messages import (
     CallErrorKind,
+    FlipCall,
+    FlipReply,
     GenerateCall,
     GenerateChunk,
     HealthReport,
@@ -105,6 +109,13 @@ class GrpcWorkerClient:
             raise _call_error(e) from None
         return load_from_pb(s)
 
+    async def flip(self, call: FlipCall, timeout_s: float) -> FlipReply:
+        try:
+            reply = await self._stub.Flip(flip_call_to_pb(call), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _call_error(e) from None
+        return flip_reply_from_pb(reply)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -131,7 +142,8 @@ class _GrpcTokenStream:
 
 
 _KINDS: dict[grpc.StatusCode, CallErrorKind] = {
-    grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.FAILED_PRECONDITION: "refused",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
     grpc.StatusCode.UNIMPLEMENTED: "unimplemented"}
 

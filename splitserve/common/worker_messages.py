@@ -1,5 +1,5 @@
 """The worker protocol in plain Python, the same on both sides of the wire: the dataclass messages of each call
-(generate, prefill, health, load), `WorkerClient` (what a caller asks of a worker), the errors a worker's side
+(generate, prefill, health, load, flip), `WorkerClient` (what a caller asks of a worker), the errors a worker's side
 raises (`WorkerError`: the wire adapter maps each to a status code) and the one a caller sees
 (`WorkerCallError`), and `RetryReason`, why a failed stream may move to another worker.
 
@@ -103,6 +103,28 @@ class LoadReport:
     outstanding_requests: int
 
 
+@dataclass(frozen=True)
+class FlipCall:
+    """Serve `role` instead of the worker's role, on the same engine (a role flip)."""
+
+    role: str  # prefill | decode
+    # s its requests in flight may finish before its streams move to other decode workers (0: at once); a
+    # prefill worker's prefills always finish (they cannot move)
+    drain_seconds: float = 1.0
+
+
+@dataclass(frozen=True)
+class FlipReply:
+    role: str  # the role it serves now
+    previous: str  # the role it left
+    seconds: float  # from the call to serving `role` (registered under it)
+    moved_streams: int  # streams that moved to other decode workers
+
+
+ROLE_FLIP_ROLES = ("prefill", "decode")
+MAX_FLIP_DRAIN_SECONDS = 3600.0
+
+
 # == the worker's side: what its calls raise ====================================================================
 class WorkerError(Exception):
     """A call the worker refuses or fails; the message says why, as the caller will read it."""
@@ -133,6 +155,11 @@ class NotServed(WorkerError):
     """A call this worker's role does not serve (generate on a prefill worker)."""
 
 
+class FlipRefused(WorkerError):
+    """A role flip this worker cannot make (it serves that role already, it is colocated, no registry, its
+    engine cannot serve the other role, another flip is under way); the message says why."""
+
+
 def check_prompt(prompt: Sequence[int], resume: Sequence[int], vocab_size: int, max_model_len: int) -> None:
     """Raises `InvalidRequest` unless a request fits the model it runs on: its prompt, and after it the output
     it produced elsewhere before (`resume`, a moved request), within the context length and the vocabulary."""
@@ -152,11 +179,13 @@ def check_prompt(prompt: Sequence[int], resume: Sequence[int], vocab_size: int, 
 
 
 # == the caller's side ==========================================================================================
-# invalid: the worker refused the request itself (a client error, never retried); unavailable: refused or reset
-# connection; cancelled: the worker cancelled the call; closed: the call was cancelled under us (its channel
-# closed); timeout: past the call's deadline; unimplemented: the worker does not serve that call (an older
-# release); failed: anything else the worker answered
-CallErrorKind = Literal["invalid", "unavailable", "cancelled", "closed", "timeout", "unimplemented", "failed"]
+# invalid: the worker refused the request itself (a client error, never retried); refused: the worker cannot do
+# that in its role or state (not served, a flip it cannot make); unavailable: refused or reset connection;
+# cancelled: the worker cancelled the call; closed: the call was cancelled under us (its channel closed);
+# timeout: past the call's deadline; unimplemented: the worker does not serve that call (an older release);
+# failed: anything else the worker answered
+CallErrorKind = Literal["invalid", "refused", "unavailable", "cancelled", "closed", "timeout", "unimplemented",
+                        "failed"]
 
 
 class WorkerCallError(Exception):
@@ -199,5 +228,10 @@ class WorkerClient(Protocol):
     async def health(self, timeout_s: float) -> HealthReport: ...
 
     async def load(self, timeout_s: float) -> LoadReport: ...
+
+    async def flip(self, call: FlipCall, timeout_s: float) -> FlipReply:
+        """Answers once the worker serves `call.role`; a call that times out leaves the flip running to its end
+        (calling again for the same role waits for it)."""
+        ...
 
     async def close(self) -> None: ...

@@ -10,6 +10,10 @@ from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.sampling import Logprob, SamplingParams
 from splitserve.common.worker_messages import (
     CAPABILITIES,
+    MAX_FLIP_DRAIN_SECONDS,
+    ROLE_FLIP_ROLES,
+    FlipCall,
+    FlipReply,
     GenerateCall,
     GenerateChunk,
     HealthReport,
@@ -18,6 +22,7 @@ from splitserve.common.worker_messages import (
     PrefillCall,
     PrefillReply,
     RetryReason,
+    WorkerCallError,
 )
 
 MAX_REQUEST_ID = 256
@@ -44,6 +49,17 @@ def generate_call_from_pb(m: pb.GenerateRequest) -> GenerateCall:
 def prefill_call_from_pb(m: pb.PrefillRequest) -> PrefillCall:
     _check_request(m.protocol_version, m.request_id, len(m.prompt_token_ids))
     return PrefillCall(m.request_id, list(m.prompt_token_ids), params_from_pb(m.params), m.ticket)
+
+
+def flip_call_from_pb(m: pb.FlipRequest) -> FlipCall:
+    if m.protocol_version != PROTOCOL_VERSION:
+        raise InvalidRequest(f"protocol_version {m.protocol_version} is not supported (this worker speaks "
+                             f"{PROTOCOL_VERSION})")
+    if m.role not in ROLE_FLIP_ROLES:
+        raise InvalidRequest(f"role: {m.role[:32]!r} is not one of prefill, decode")
+    if not 0 <= m.drain_seconds <= MAX_FLIP_DRAIN_SECONDS:  # NaN fails too
+        raise InvalidRequest(f"drain_seconds: {m.drain_seconds} is not within 0..{MAX_FLIP_DRAIN_SECONDS:g}")
+    return FlipCall(m.role, m.drain_seconds)
 
 
 def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
@@ -81,6 +97,10 @@ def health_to_pb(h: HealthReport) -> pb.HealthResponse:
                              capabilities=sorted(h.capabilities))
 
 
+def flip_reply_to_pb(r: FlipReply) -> pb.FlipResponse:
+    return pb.FlipResponse(role=r.role, previous=r.previous, seconds=r.seconds, moved_streams=r.moved_streams)
+
+
 def load_to_pb(r: LoadReport) -> pb.StatsResponse:
     return pb.StatsResponse(
         num_waiting=r.num_waiting, num_running=r.num_running, kv_blocks_used=r.kv_blocks_used,
@@ -100,6 +120,10 @@ def generate_call_to_pb(c: GenerateCall) -> pb.GenerateRequest:
 def prefill_call_to_pb(c: PrefillCall) -> pb.PrefillRequest:
     return pb.PrefillRequest(protocol_version=PROTOCOL_VERSION, request_id=c.request_id,
                              prompt_token_ids=c.prompt_token_ids, params=params_to_pb(c.params), ticket=c.ticket)
+
+
+def flip_call_to_pb(c: FlipCall) -> pb.FlipRequest:
+    return pb.FlipRequest(protocol_version=PROTOCOL_VERSION, role=c.role, drain_seconds=c.drain_seconds)
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
@@ -141,6 +165,15 @@ def health_from_pb(m: pb.HealthResponse) -> HealthReport:
 def load_from_pb(m: pb.StatsResponse) -> LoadReport:
     return LoadReport(m.num_waiting, m.num_running, m.kv_blocks_used, m.kv_blocks_total, m.tokens_in_flight,
                       m.num_waiting_remote_kv, m.num_held, m.outstanding_requests)
+
+
+def flip_reply_from_pb(m: pb.FlipResponse) -> FlipReply:
+    """Raises `WorkerCallError` (failed) on an answer that is not a flip's: a role that is none, a time that is not
+    a number of seconds."""
+    if m.role not in ROLE_FLIP_ROLES or m.previous not in ROLE_FLIP_ROLES or not 0 <= m.seconds < 1e6:
+        raise WorkerCallError("failed", f"the worker's flip answer does not validate (role {m.role[:32]!r}, "
+                                        f"previous {m.previous[:32]!r}, seconds {m.seconds})")
+    return FlipReply(m.role, m.previous, m.seconds, m.moved_streams)
 
 
 # == both ways ==================================================================================================

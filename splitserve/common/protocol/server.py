@@ -4,7 +4,7 @@
 Every message received is converted and validated here (`convert`); a request that does not decode, or fails
 validation, is refused with INVALID_ARGUMENT before the handler sees it. The errors a handler raises
 (`WorkerError`) become status codes: `InvalidRequest` INVALID_ARGUMENT, `RequestIdInUse` ALREADY_EXISTS,
-`NotServed` FAILED_PRECONDITION, `TransferFailed`, `NotReady` and `Draining` UNAVAILABLE. (grpc's own handlers
+`NotServed` and `FlipRefused` FAILED_PRECONDITION, `TransferFailed`, `NotReady` and `Draining` UNAVAILABLE. (grpc's own handlers
 would turn any exception into UNKNOWN, as if the worker had failed.)
 """
 
@@ -22,6 +22,8 @@ from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.protocol import splitserve_pb2_grpc as pb_grpc
 from splitserve.common.protocol.convert import (
     chunk_to_pb,
+    flip_call_from_pb,
+    flip_reply_to_pb,
     generate_call_from_pb,
     health_to_pb,
     load_to_pb,
@@ -31,6 +33,9 @@ from splitserve.common.protocol.convert import (
 from splitserve.common.tasks import settle
 from splitserve.common.worker_messages import (
     Draining,
+    FlipCall,
+    FlipRefused,
+    FlipReply,
     GenerateCall,
     GenerateChunk,
     HealthReport,
@@ -52,7 +57,8 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_m
 
 _STATUS: dict[type[WorkerError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, RequestIdInUse: grpc.StatusCode.ALREADY_EXISTS,
-    NotServed: grpc.StatusCode.FAILED_PRECONDITION, TransferFailed: grpc.StatusCode.UNAVAILABLE,
+    NotServed: grpc.StatusCode.FAILED_PRECONDITION, FlipRefused: grpc.StatusCode.FAILED_PRECONDITION,
+    TransferFailed: grpc.StatusCode.UNAVAILABLE,
     NotReady: grpc.StatusCode.UNAVAILABLE, Draining: grpc.StatusCode.UNAVAILABLE}
 
 M = TypeVar("M")
@@ -75,6 +81,10 @@ class WorkerHandler(Protocol):
     def health(self) -> HealthReport: ...
 
     def load(self) -> LoadReport: ...
+
+    async def flip(self, call: FlipCall) -> FlipReply:
+        """Serve `call.role` on the same engine; answers once it does (`FlipRefused` when it cannot)."""
+        ...
 
 
 class GrpcWorkerServer:
@@ -152,6 +162,13 @@ class _Servicer(pb_grpc.WorkerServicer):
     async def Stats(self, request, context):
         try:
             return load_to_pb(self.handler.load())
+        except WorkerError as e:
+            await _refuse(e, context)
+
+    async def Flip(self, request, context):
+        call = await _convert(flip_call_from_pb, request, "flip", context)
+        try:
+            return flip_reply_to_pb(await self.handler.flip(call))
         except WorkerError as e:
             await _refuse(e, context)
 

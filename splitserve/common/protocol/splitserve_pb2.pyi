@@ -201,3 +201,25 @@ class StatsResponse(_message.Message):
     num_held: int
     outstanding_requests: int
     def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_in_flight: _Optional[int] = ..., num_waiting_remote_kv: _Optional[int] = ..., num_held: _Optional[int] = ..., outstanding_requests: _Optional[int] = ...) -> None: ...
+
+class FlipRequest(_message.Message):
+    __slots__ = ("protocol_version", "role", "drain_seconds")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    role: str
+    drain_seconds: float
+    def __init__(self, protocol_version: _Optional[int] = ..., role: _Optional[str] = ..., drain_seconds: _Optional[float] = ...) -> None: ...
+
+class FlipResponse(_message.Message):
+    __slots__ = ("role", "previous", "seconds", "moved_streams")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous: str
+    seconds: float
+    moved_streams: int
+    def __init__(self, role: _Optional[str] = ..., previous: _Optional[str] = ..., seconds: _Optional[float] = ..., moved_streams: _Optional[int] = ...) -> None: ...

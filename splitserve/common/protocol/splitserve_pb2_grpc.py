@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Flip = channel.unary_unary(
+                '/splitserve.v1.Worker/Flip',
+                request_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.FlipRequest.SerializeToString,
+                response_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.FlipResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -105,6 +110,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Flip(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsRequest.FromString,
                     response_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsResponse.SerializeToString,
+            ),
+            'Flip': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flip,
+                    request_deserializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.FlipRequest.FromString,
+                    response_serializer=splitserve_dot_common_dot_protocol_dot_splitserve__pb2.FlipResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class Worker:
             '/splitserve.v1.Worker/Stats',
             splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsRequest.SerializeToString,
             splitserve_dot_common_dot_protocol_dot_splitserve__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flip(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/Flip',
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.FlipRequest.SerializeToString,
+            splitserve_dot_common_dot_protocol_dot_splitserve__pb2.FlipResponse.FromString,
             options,
             channel_credentials,
             insecure,
