@@ -2,8 +2,9 @@
 (`flip_problem`), and the drain a flip gives the requests in flight unless told otherwise.
 
 A flip moves a worker between prefill and decode on the engine it has loaded: it needs a disaggregated
-cluster, the Redis registry (every gateway and decode worker learns roles from it; with static membership a
-worker's role is the one the config lists it under) and the same engine for both roles. Engine vllm qualifies:
+cluster (whose roles run one engine: the configuration model holds to it) and the Redis registry (every gateway
+and decode worker learns roles from it; with static membership a worker's role is the one the config lists it
+under). Engine vllm qualifies:
 every disaggregated vLLM server runs its NixlConnector with `kv_role: kv_both`, so the same server sends and
 receives KV, and a flip swaps only the splitserve service in front of it.
 """
@@ -25,7 +26,4 @@ def flip_problem(spec: ClusterSpec, role: str, target: str, has_registry: bool) 
     if not has_registry:
         return ("flips need the Redis registry (redis.mode bundled or external): with static membership a "
                 "worker's role is the one membership.prefill/decode lists it under")
-    if spec.engine_of(role) != spec.engine_of(target):
-        return (f"its engine ({spec.engine_of(role)}) is not the one {target} workers run "
-                f"({spec.engine_of(target)})")
     return None
