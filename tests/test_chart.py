@@ -164,6 +164,7 @@ def test_rbac_is_least_privilege():
         g = group.get(kind.api_version, kind.api_version.split("/")[0])
         assert {(g, kind.plural, v) for v in ("list", "create", "patch", "delete")} <= granted, kind.kind
     assert {("splitserve.dev", "splitserveclusters", v) for v in ("get", "list", "watch", "patch")} <= granted
+    assert ("", "pods", "patch") in granted  # a flipped pod's deletion cost
     assert ("", "secrets", "get") not in granted and not any(v in {"update", "deletecollection"} for *_, v in granted)
 
 
@@ -174,6 +175,8 @@ def test_network_policy_ports_are_the_models_defaults():
                                                                              "protocol": "TCP"}]}]
     metrics = policies["splitserve-workers"]["spec"]["ingress"][1]["ports"]
     assert {p["port"] for p in metrics} == {spec.prefill.metrics_port, spec.decode.metrics_port}
+    grpc = policies["splitserve-workers"]["spec"]["ingress"][2]["ports"]  # the operator's role flips
+    assert {p["port"] for p in grpc} == {spec.prefill.port, spec.decode.port}
 
 
 def monitored_chart(tmp_path: Path) -> Path:

@@ -66,10 +66,12 @@ def config_hash(document: str) -> str:
 class Renderer:
     """Renders one cluster's children; each method returns one object."""
 
-    def __init__(self, resource: ClusterResource, decision: ReplicaDecision, owner: dict[str, Any]) -> None:
+    def __init__(self, resource: ClusterResource, decision: ReplicaDecision, owner: dict[str, Any],
+                 groups: dict[str, int] | None = None) -> None:
         self.resource = resource
         self.decision = decision
         self.owner = owner
+        self.groups = groups or {}  # component -> its Deployment's pods, where role flips make it differ
         self.name = resource.metadata.name
         self.namespace = resource.metadata.namespace or "default"
         self.document = dump(rendered(resource, decision))
@@ -120,7 +122,7 @@ class Renderer:
         spec = self.resource.spec.role(component)
         replicas = self.decision.prefill if component == names.PREFILL else self.decision.decode
         template = worker_pod(self.resource, component, role, spec, self.pod_labels(component), self.annotations)
-        return [self.deployment(component, replicas, template),
+        return [self.deployment(component, self.groups.get(component, replicas), template),
                 self.service(component, [("grpc", spec.port), ("metrics", spec.metrics_port)]),
                 self.pdb(component), self.role(component, replicas)]
 
@@ -140,9 +142,11 @@ class Renderer:
         return out + self.gateway()
 
 
-def children(resource: ClusterResource, decision: ReplicaDecision, owner: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every object the cluster should own, in the order to apply them."""
-    return Renderer(resource, decision, owner).all()
+def children(resource: ClusterResource, decision: ReplicaDecision, owner: dict[str, Any],
+             groups: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """Every object the cluster should own, in the order to apply them. `groups`: the worker Deployments' pods
+    where role flips make them differ from the decision's serving replicas (which the SplitServeRoles keep)."""
+    return Renderer(resource, decision, owner, groups).all()
 
 
 def preview(resource: ClusterResource, uid: str | None = None) -> list[dict[str, Any]]:

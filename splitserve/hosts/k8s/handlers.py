@@ -59,9 +59,10 @@ def build_registry(deps: Deps, resync_seconds: float, autoscale_seconds: float =
 
     @kopf.on.delete(**cluster)
     def cluster_deleted(name: str, namespace: str, logger: kopf.Logger, **_: Any) -> None:
-        forget = getattr(deps.desired, "forget", None)
-        if forget is not None:
-            forget(namespace, name)
+        for provider in (deps.desired, deps.registry):
+            forget = getattr(provider, "forget", None)
+            if forget is not None:
+                forget(namespace, name)
         removed = _retrying(lambda: delete_children(deps.kube, namespace, name))
         logger.info("removed %d objects of %s", removed, name)
 

@@ -34,6 +34,8 @@ CLUSTER_LABEL = "splitserve.dev/cluster"
 ROLE_LABEL = "splitserve.dev/role"
 CONFIG_HASH_ANNOTATION = "splitserve.dev/config-hash"
 APPLIED_HASH_ANNOTATION = "splitserve.dev/applied-hash"  # of the object as last applied: a field dropped re-applies
+# a ReplicaSet's scale-down takes pods of a lower cost first: a flipped pod (serving the other role) gets a high one
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 MANAGED_BY = "splitserve-operator"
 
 
@@ -57,6 +59,7 @@ SERVICE = Kind("v1", "Service", "services")
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
 STATEFULSET = Kind("apps/v1", "StatefulSet", "statefulsets")
 PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+POD = Kind("v1", "Pod", "pods")  # patched only: a flipped pod's deletion cost
 # What a cluster may own, in the order children are applied (config first: pods mount it) and pruned.
 OWNED = (CONFIGMAP, SERVICE, STATEFULSET, DEPLOYMENT, PDB, ROLE)
 KINDS = {k.kind: k for k in (*OWNED, CLUSTER)}

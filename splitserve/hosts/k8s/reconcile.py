@@ -1,6 +1,6 @@
 """One reconcile pass of one SplitServeCluster, as plain functions of the resource's body and injected
-dependencies: read what exists, decide replicas, render the children, apply them, prune what is no longer
-wanted, and return the new status as a dict. Idempotent: a pass over a converged cluster writes nothing new, so
+dependencies: read what exists, decide replicas, apply the decision's role flip (`flips`), render the children,
+apply them, prune what is no longer wanted, and return the new status as a dict. Idempotent: a pass over a converged cluster writes nothing new, so
 the operator can restart or run a pass twice at any point.
 """
 
@@ -14,10 +14,11 @@ from typing import Any
 
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import ConfigError, parse_resource
-from splitserve.hosts.common import worker_pools
+from splitserve.hosts.common import Placement, flip_workers, worker_pools
 from splitserve.hosts.k8s import names
 from splitserve.hosts.k8s.checks import check
 from splitserve.hosts.k8s.children import children, owner_reference
+from splitserve.hosts.k8s.flips import Flipper, Registry, apply_flip, placement
 from splitserve.hosts.k8s.kube import Kube
 from splitserve.hosts.k8s.replicas import (
     DesiredReplicas,
@@ -42,10 +43,13 @@ COMPONENTS = (names.GATEWAY, names.PREFILL, names.DECODE)
 
 @dataclass(frozen=True)
 class Deps:
-    """What the handlers need, injected: the API client and the replica provider (the control law's seam)."""
+    """What the handlers need, injected: the API client, the replica provider (the control law's seam), the
+    clusters' registries (which pods serve which role; None: not read) and how pods are flipped."""
 
     kube: Kube
     desired: DesiredReplicas = spec_or_scale
+    registry: Registry | None = None
+    flipper: Flipper = flip_workers
 
 
 def resource_of(body: Mapping[str, Any]) -> ClusterResource:
@@ -147,7 +151,10 @@ def reconcile(body: Mapping[str, Any], deps: Deps) -> dict[str, Any]:
     except Unrealisable as e:
         return _degraded(old, e, generation)
     external = resource.spec.autoscaling.mode == "external"
-    objects = children(resource, decision, owner_reference(dict(body)))
+    where = _placement(deps, resource, decision, namespace)
+    groups = None if where is None else {c: where.group_size(c, getattr(decision, c)) for c in (names.PREFILL,
+                                                                                                 names.DECODE)}
+    objects = children(resource, decision, owner_reference(dict(body)), groups)
     for obj in objects:
         key = (obj["kind"], obj["metadata"]["name"])
         if obj["kind"] == names.ROLE.kind:
@@ -157,31 +164,59 @@ def reconcile(body: Mapping[str, Any], deps: Deps) -> dict[str, Any]:
             if key not in current or not contains(current[key], stamped):
                 deps.kube.apply(stamped)
     _prune(deps.kube, namespace, meta.get("uid"), current, {(o["kind"], o["metadata"]["name"]) for o in objects})
-    _report_roles(deps.kube, resource, current)
-    return _healthy(old, resource, decision, current, generation)
+    _report_roles(deps.kube, resource, current, where)
+    return _healthy(old, resource, decision, current, generation, where)
+
+
+def _placement(deps: Deps, resource: ClusterResource, decision: ReplicaDecision, namespace: str) -> Placement | None:
+    """Which pods serve which role, from the registry, after the decision's role flip; None where nothing can
+    have flipped (colocated, no registry, Redis not answering)."""
+    spec, name = resource.spec, resource.metadata.name
+    if deps.registry is None or spec.mode != "disaggregated":
+        return None
+    entries = deps.registry(namespace, name, spec)
+    if entries is None:
+        return None
+    where = placement(name, entries)
+    if decision.flip is not None:
+        where = apply_flip(deps.kube, namespace, name, decision.flip, entries, where, deps.flipper)
+    return where
+
+
+def _serving(where: Placement | None, component: str, in_deployment: int) -> int:
+    """A role's pods counted where they serve: its Deployment's, less those flipped out, plus those flipped in."""
+    if where is None:
+        return in_deployment
+    return max(0, in_deployment - len(where.flipped_out(component)) + len(where.flipped_in.get(component, [])))
 
 
 def _deployment_status(current: Current, name: str, component: str) -> dict[str, Any]:
     return (current.get((names.DEPLOYMENT.kind, names.child_name(name, component))) or {}).get("status") or {}
 
 
-def _report_roles(kube: Kube, resource: ClusterResource, current: Current) -> None:
-    """The scale subresource's view: pods that exist and the selector HPA counts them with."""
+def _report_roles(kube: Kube, resource: ClusterResource, current: Current, where: Placement | None) -> None:
+    """The scale subresource's view: pods that serve the role, the selector HPA counts them with, and (with a
+    registry) which pods those are."""
     name, namespace = resource.metadata.name, resource.metadata.namespace or "default"
     for component, _ in worker_pools(resource.spec):
         dstatus = _deployment_status(current, name, component)
-        status = dump(RoleStatus(replicas=dstatus.get("replicas", 0), ready_replicas=dstatus.get("readyReplicas", 0),
-                                 selector=names.selector_string(name, component)))
+        pods = {} if where is None else {"serving_pods": where.serving.get(component, []),
+                                         "flipped_pods": where.flipped_in.get(component, [])}
+        status = dump(RoleStatus(replicas=_serving(where, component, dstatus.get("replicas", 0)),
+                                 ready_replicas=_serving(where, component, dstatus.get("readyReplicas", 0)),
+                                 selector=names.selector_string(name, component), **pods))
         role = current.get((names.ROLE.kind, names.child_name(name, component)))
         if role is not None and role.get("status") != status:  # a role created in this pass: the next one
             kube.patch(names.ROLE, namespace, names.child_name(name, component), {"status": status}, "status")
 
 
 def _healthy(old: ClusterStatus, resource: ClusterResource, decision: ReplicaDecision, current: Current,
-             generation: int | None) -> dict[str, Any]:
+             generation: int | None, where: Placement | None = None) -> dict[str, Any]:
     spec, name = resource.spec, resource.metadata.name
     desired = Replicas(prefill=decision.prefill, decode=decision.decode, gateway=spec.router.replicas)
-    ready = Replicas(**{c: _deployment_status(current, name, c).get("readyReplicas", 0) for c in COMPONENTS})
+    ready = Replicas(**{c: _serving(where, c, _deployment_status(current, name, c).get("readyReplicas", 0))
+                        if c != names.GATEWAY else _deployment_status(current, name, c).get("readyReplicas", 0)
+                        for c in COMPONENTS})
     if spec.mode == "colocated":
         ready.prefill = 0
     last = old.last_decision

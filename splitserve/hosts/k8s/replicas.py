@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.autoscaler.bounds import Bounds, clamp
+from splitserve.autoscaler.flips import RoleFlip
 from splitserve.common.config import ClusterSpec
 
 
@@ -33,6 +34,7 @@ class Wanted:
     decode: int
     source: str  # where the numbers come from, for status.lastDecision.reason
     law_state: dict[str, Any] | None = None  # the control law's memory to keep in status.lawState (slo/external)
+    flip: RoleFlip | None = None  # workers to move between the roles first (counted in prefill/decode already)
 
 
 DesiredReplicas = Callable[[ClusterSpec, Observed], Wanted]
@@ -67,6 +69,7 @@ class ReplicaDecision:
     decode: int
     reason: str
     law_state: dict[str, Any] | None = None  # status.lawState (None: no law runs; the field is dropped)
+    flip: RoleFlip | None = None  # the law's role flip, applied before the Deployments are sized
 
 
 def decide(spec: ClusterSpec, wanted: Wanted) -> ReplicaDecision:
@@ -90,4 +93,4 @@ def decide(spec: ClusterSpec, wanted: Wanted) -> ReplicaDecision:
     if (prefill, decode) != (wanted.prefill if b.disaggregated else 0, wanted.decode):
         reason += (f"; asked prefill {wanted.prefill}, decode {wanted.decode}, clamped by "
                    + (", ".join(notes) or "the bounds"))
-    return ReplicaDecision(prefill, decode, reason, wanted.law_state)
+    return ReplicaDecision(prefill, decode, reason, wanted.law_state, wanted.flip)

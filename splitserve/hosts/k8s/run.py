@@ -13,6 +13,7 @@ from typing import Any
 import kopf
 
 from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.flips import RegistryReader
 from splitserve.hosts.k8s.handlers import build_registry
 from splitserve.hosts.k8s.kube import Kube
 from splitserve.hosts.k8s.reconcile import Deps
@@ -49,7 +50,7 @@ async def operate(deps: Deps, login: Login, *, namespaces: Collection[str] = (),
 def run(namespaces: Collection[str], clusterwide: bool, resync_seconds: float, health_port: int = 0,
         metrics_port: int = 0) -> None:
     """The operator in this process, with the pod's service account (or the kubeconfig); the SLO control law
-    for clusters in slo/external mode; with `metrics_port`, Prometheus metrics (the autoscaler's desired
+    for clusters in slo/external mode, and each cluster's registry read for its role flips; with `metrics_port`, Prometheus metrics (the autoscaler's desired
     replicas, which KEDA/HPA read in external mode) on http://0.0.0.0:PORT/metrics."""
     if metrics_port:
         from prometheus_client import start_http_server
@@ -59,5 +60,6 @@ def run(namespaces: Collection[str], clusterwide: bool, resync_seconds: float, h
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
-    asyncio.run(operate(Deps(Kube.from_environment(), SloReplicas()), login, namespaces=namespaces, clusterwide=clusterwide,
-                        resync_seconds=resync_seconds, health_port=health_port))
+    deps = Deps(Kube.from_environment(), SloReplicas(), registry=RegistryReader())
+    asyncio.run(operate(deps, login, namespaces=namespaces, clusterwide=clusterwide, resync_seconds=resync_seconds,
+                        health_port=health_port))

@@ -3,8 +3,8 @@ shared `Autoscaler` for each cluster in `slo` and `external` mode.
 
 - slo: every `autoscaling.intervalSeconds` the law decides from an observation of the cluster (its Redis
   registry and the gateway's /metrics, reached through their Services); the decision is what the reconcile pass
-  applies to the SplitServeRoles and Deployments (clamped again by the bounds) and writes to
-  `status.lastDecision` with its reason. Between decisions the last one holds.
+  applies to the SplitServeRoles and Deployments (clamped again by the bounds), its role flip first (`flips`),
+  and writes to `status.lastDecision` with its reason. Between decisions the last one holds.
 - external: the same law runs, but only exports `splitserve_autoscaler_desired_replicas{cluster,role}` for
   KEDA/HPA, which scale the SplitServeRoles' scale subresource; the operator applies what they write.
 - manual: the spec's replicas.
@@ -32,6 +32,7 @@ from splitserve.autoscaler.observer import Observer
 from splitserve.autoscaler.profile import ReplicaProfile
 from splitserve.common.config import ClusterSpec
 from splitserve.hosts.k8s import names
+from splitserve.hosts.k8s.flips import cluster_redis_url
 from splitserve.hosts.k8s.replicas import Observed, Unrealisable, Wanted, spec_or_scale
 
 log = logging.getLogger("splitserve.operator.slo")
@@ -42,12 +43,9 @@ def service_observer(namespace: str, cluster: str, spec: ClusterSpec) -> Observe
     """The cluster as the operator reaches it: the bundled Redis's Service (or the external URL) and the
     gateway's Service. With several gateway replicas behind it each scrape reaches one of them, so the rates are
     one gateway's share (the registry's queue depths are whole)."""
-    if spec.redis.mode == "bundled":
-        redis_url = f"redis://{names.child_name(cluster, names.REDIS)}.{namespace}.svc:{names.REDIS_PORT}/0"
-    else:
-        redis_url = spec.redis.resolved_url()
     gateway = f"http://{names.child_name(cluster, names.GATEWAY)}.{namespace}.svc:{spec.router.port}"
-    return Observer(redis_url, spec.model.served_name, [gateway], colocated=spec.mode == "colocated")
+    return Observer(cluster_redis_url(namespace, cluster, spec), spec.model.served_name, [gateway],
+                    colocated=spec.mode == "colocated")
 
 
 class SloReplicas:
@@ -101,7 +99,8 @@ class SloReplicas:
             if last is None:  # no decision yet (the first observation only opens the window)
                 return Wanted(current["prefill"], current["decode"], "slo: waiting for the first observation window",
                               state)
-            return Wanted(last.prefill, last.decode, last.source, state)
+            flip = decision.flip if decision is not None else None  # applied once: in the pass that decided it
+            return Wanted(last.prefill, last.decode, last.source, state, flip)
 
     @staticmethod
     def _restored(key: tuple[str, str], observed: Observed) -> ControllerState | None:

@@ -91,11 +91,18 @@ class RoleStatus(_Status):
     """What the operator reports on a SplitServeRole (read by the scale subresource)."""
 
     replicas: int = 0
-    """Pods of this role that exist now (the scale subresource's status.replicas)."""
+    """Pods that serve this role now (the scale subresource's status.replicas): its Deployment's, less those
+    flipped to the other role, plus those flipped in."""
     ready_replicas: int = 0
-    """Pods of this role that are ready."""
+    """Of those, the ready ones."""
     selector: str = ""
     """Label query matching this role's pods (the scale subresource's status.selector, read by HPA)."""
+    serving_pods: list[str] | None = None
+    """Pods that serve this role now, as the Redis registry lists them (role flips included); absent without a
+    registry."""
+    flipped_pods: list[str] | None = None
+    """Of those, pods of the other role's Deployment that serve this role after a role flip (their Deployment
+    keeps them)."""
 
 
 def now() -> str:

@@ -1,8 +1,10 @@
 """The local actuator of the SLO control law (`splitserve up --autoscale`): every `autoscaling.intervalSeconds`
 the shared `Autoscaler` observes the cluster (the bundled Redis registry, the gateways' and workers' /metrics)
-and calls the law; this module applies the decision to worker processes on this machine. Scale-up starts
-workers; scale-down drains them (SIGTERM: the worker marks itself draining in the registry, finishes its
-requests in flight and exits; never SIGKILL). The decision metrics are served on a port of the launcher's own
+and calls the law; this module applies the decision to worker processes on this machine. Role flips first (the
+decision's `flip`: the least loaded workers of its source role are asked to serve the other one, over their
+gRPC, and count in their new pool from then on); then scale-up starts workers and scale-down drains them
+(SIGTERM: the worker marks itself draining in the registry, finishes its requests in flight and exits; never
+SIGKILL). The decision metrics are served on a port of the launcher's own
 (`components.autoscaler.metrics`). Before any worker starts, the workers of all roles together are bounded by
 what this machine holds (`local_bound`: its cores and available memory), which the law gets as its budget.
 """
@@ -20,10 +22,12 @@ from typing import Any, Protocol
 from prometheus_client import start_http_server
 
 from splitserve.autoscaler.actuator import Autoscaler, default_profile, load_profile
+from splitserve.autoscaler.flips import RoleFlip
 from splitserve.autoscaler.law import ROLES, ScalingDecision
 from splitserve.autoscaler.observer import Observer
 from splitserve.common.config import ClusterResource, ClusterSpec
 from splitserve.common.model_files import ModelNotFoundError, resolve_model
+from splitserve.hosts.common import flip_candidates, flip_workers
 
 log = logging.getLogger("splitserve.autoscaler.local")
 
@@ -135,6 +139,7 @@ class Launcher(Protocol):
     def workers(self, role: str) -> list[str]: ...  # names of the role's running, not draining, workers
     def add_worker(self, role: str) -> str: ...
     def drain_worker(self, name: str) -> None: ...
+    def moved(self, name: str, role: str) -> None: ...  # a flipped worker serves `role` now
 
 
 class LocalAutoscaler:
@@ -190,7 +195,10 @@ class LocalAutoscaler:
             return None
 
     def apply(self, decision: ScalingDecision) -> None:
-        """Start or drain workers until each pool has the decided number of processes."""
+        """Flip workers as the decision says, then start or drain workers until each pool has the decided number
+        of processes (a flip that failed leaves its worker in its pool: a start makes up for it)."""
+        if decision.flip is not None:
+            self.flip(decision.flip)
         for role in ROLES:
             running = self.launcher.workers(role)
             want = getattr(decision, role).desired
@@ -200,6 +208,22 @@ class LocalAutoscaler:
             for name in self._drain_order(running)[:max(0, len(running) - want)]:
                 self.launcher.drain_worker(name)
                 log.info("autoscaler: draining %s", name, extra={"fields": {"role": role, "worker": name}})
+
+    def flip(self, flip: RoleFlip) -> list[str]:
+        """Ask the least loaded serving workers of `flip.source` to serve `flip.target` (all at once; each call
+        returns once its worker serves the new role); the names that did."""
+        entries = self.observer.entries
+        names = flip_candidates(entries.values(), flip.source, self.launcher.workers(flip.source))[:flip.workers]
+        results = flip_workers({n: entries[n].endpoint for n in names}, flip.target)
+        for name, problem in results.items():
+            fields = {"worker": name, "source": flip.source, "target": flip.target}
+            if problem is None:
+                self.launcher.moved(name, flip.target)
+                log.info("autoscaler: flipped %s to %s", name, flip.target, extra={"fields": fields})
+            else:
+                log.warning("autoscaler: %s did not flip to %s: %s", name, flip.target, problem,
+                            extra={"fields": fields})
+        return [n for n, problem in results.items() if problem is None]
 
     def _drain_order(self, names: list[str]) -> list[str]:
         """Which workers to drain first: those not serving yet (nothing in flight), then the least loaded, then

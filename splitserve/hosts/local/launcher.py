@@ -43,6 +43,7 @@ class Launcher:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._reported: set[str] = set()
         self.retired: set[str] = set()  # workers drained on purpose (scale-down): their exit is no failure
+        self.pool_of: dict[str, str] = {}  # worker name -> the pool it serves now (a role flip moves it)
         self.hurry = False  # set by a second Ctrl-C: `stop` kills what is still running instead of waiting
         self._next_index: dict[str, int] = {"prefill": 0, "decode": 0}
         spec = self.resource.spec
@@ -123,6 +124,7 @@ class Launcher:
         proc = self._spawn(name, argv, self._vllm_cpu_env(role))
         key = "prefill" if role == "prefill" else "decode"
         self._next_index[key] += 1
+        self.pool_of[name] = key
         info = {"name": name, "grpc": f"{self.host}:{port}", "metrics": f"http://{self.host}:{mport}", "pid": proc.pid}
         self.components[key].append(info)
         return info
@@ -149,9 +151,13 @@ class Launcher:
         return name
 
     def workers(self, pool: str) -> list[str]:
-        """Names of `pool`'s worker processes that are running and not being drained."""
-        return [name for name, p in self.procs if name.startswith(f"{pool}-") and name not in self.retired
+        """Names of the worker processes serving `pool` now that are running and not being drained."""
+        return [name for name, p in self.procs if self.pool_of.get(name) == pool and name not in self.retired
                 and p.poll() is None]
+
+    def moved(self, name: str, pool: str) -> None:
+        """Worker `name` flipped: it serves `pool` now (its name stays)."""
+        self.pool_of[name] = pool
 
     def drain_worker(self, name: str) -> None:
         """SIGTERM one worker: it marks itself draining in the registry, finishes its requests in flight (up to
@@ -165,7 +171,7 @@ class Launcher:
         """A component that exited; with fatal_only, only the last router or the last decode worker counts (the
         service goes on without a prefill worker, a decode worker or a router replica while others live; a
         dead Redis is degraded mode, not a failure)."""
-        decode = [p for name, p in self.procs if name.startswith("decode")]
+        decode = [p for name, p in self.procs if self.pool_of.get(name) == "decode"]
         routers = [p for name, p in self.procs if name.startswith("router")]
         for name, p in self.procs:
             if p.poll() is None or name in self.retired:
