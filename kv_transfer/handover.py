@@ -38,6 +38,10 @@ from splitserve.kv_transfer.ticket import TransferTicket
 log = logging.getLogger("splitserve.kv_transfer.handover")
 # SPLITSERVE_PREFILL_EARLY=0: the decode worker sends the prefill call after reserving, with the ticket (to compare)
 PREFILL_EARLY = os.environ.get("SPLITSERVE_PREFILL_EARLY", "1") != "0"
+# s a closing handover waits for its pending frees and releases (a worker that flips keeps its engine: what is
+# not freed stays held); a free waits for its prefill call and the transfer's quiet, both bounded by the
+# transfer's deadline, which is normally over long before
+CLOSE_WAIT_S = 10.0
 
 
 class NativeDecodeHandover:
@@ -84,7 +88,9 @@ class NativeDecodeHandover:
         await self.engine.abort(request_id)
 
     async def close(self) -> None:
-        await self._tasks.close()
+        """Frees still pending go first (the engine may go on serving another role after a flip), then the rest
+        of the transfers."""
+        await _finish(self._tasks, "reservations not freed yet")
         self.agent.close()
 
 
@@ -165,8 +171,17 @@ class NativePrefillHandover:
     async def close(self) -> None:
         """The hook leaves the engine with it (the worker may go on in the decode role: no per-layer hook left
         then, so its decode steps may overlap again)."""
-        await self._tasks.close()
+        await _finish(self._tasks, "prefilled requests not released yet")
         self.engine.remove_layer_hook(self.hook)
         if self.pool is not None:
             await self.pool.close()
         self.agent.close()
+
+
+async def _finish(tasks: TaskOwner, what: str) -> None:
+    """A handover's pending work (frees, releases) ends before it closes, up to CLOSE_WAIT_S; the rest is cut
+    (the engine keeps those requests' blocks until it stops)."""
+    left = await tasks.wait(CLOSE_WAIT_S)
+    if left:
+        log.warning("closing the handover with %d %s after %.0f s", left, what, CLOSE_WAIT_S)
+    await tasks.close()

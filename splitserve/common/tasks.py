@@ -44,6 +44,13 @@ class TaskOwner:
     def __len__(self) -> int:
         return len(self._tasks)
 
+    async def wait(self, timeout: float) -> int:
+        """Until every task has ended, or `timeout` seconds; how many are still running."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        return len(self._tasks)
+
     async def close(self) -> None:
         tasks = list(self._tasks)
         for t in tasks:
