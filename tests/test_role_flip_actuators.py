@@ -225,8 +225,12 @@ async def test_the_operator_flips_a_pod_and_sizes_each_deployment_for_the_pods_i
         await eventually(sized, timeout=30, what="Deployments sized for the pods they hold")
         roles = live(api, ROLES)
         assert (roles["llm-prefill"]["spec"]["replicas"], roles["llm-decode"]["spec"]["replicas"]) == (2, 1)
-        await eventually(lambda: live(api, ROLES)["llm-prefill"].get("status", {}).get("servingPods")
-                         == ["llm-decode-5c-b", "llm-prefill-7f-a"], timeout=30, what="the prefill role's pods")
+
+        def pods_listed() -> bool:  # each role's status is written in its own patch
+            got = {n: r.get("status", {}).get("servingPods") for n, r in live(api, ROLES).items()}
+            return got == {"llm-prefill": ["llm-decode-5c-b", "llm-prefill-7f-a"], "llm-decode": ["llm-decode-5c-a"]}
+
+        await eventually(pods_listed, timeout=30, what="each role's pods in its status")
         prefill, decode = live(api, ROLES)["llm-prefill"]["status"], live(api, ROLES)["llm-decode"]["status"]
         assert prefill["flippedPods"] == ["llm-decode-5c-b"]
         assert decode["servingPods"] == ["llm-decode-5c-a"] and decode["flippedPods"] == []
@@ -249,10 +253,13 @@ def test_ray_s_policy_flips_a_replica_and_sizes_each_deployment_for_the_replicas
     from splitserve.common.config_file import load
     from splitserve.hosts.ray.policy import LawPolicy, policy_config
 
-    class Law:  # the law's decision this call (a flip), as the shared Autoscaler would return it
+    class Law:  # the law's decision this call (`flip`), as the shared Autoscaler would return it
+        def __init__(self, flip: RoleFlip | None) -> None:
+            self.flip = flip
+
         def tick(self, expected: dict[str, int]) -> ScalingDecision:
             self.expected = expected
-            return decision(2, 1, FLIP)
+            return decision(2, 1, self.flip)
 
     async def main() -> None:
         fleet = await Fleet.start(redis.url, {"prefill-r1": ("prefill", 0), "decode-r2": ("decode", 0),
@@ -261,7 +268,7 @@ def test_ray_s_policy_flips_a_replica_and_sizes_each_deployment_for_the_replicas
             resource = load(LOCAL, {"autoscaling.mode": "slo", "decode.max_replicas": 3, "redis.url": redis.url})
             observer = observer_of(redis.url)
             policy = LawPolicy(**policy_config(resource)["policy_kwargs"], observer=observer)
-            policy.autoscaler = law = Law()
+            policy.autoscaler = law = Law(FLIP)
             replicas, state = await asyncio.to_thread(policy, contexts({"prefill": 1, "decode": 2}, resource.spec))
             assert law.expected == {"prefill": 1, "decode": 2}
             assert {d.name: n for d, n in replicas.items()} == {"prefill": 1, "decode": 2}  # nothing starts
@@ -272,9 +279,10 @@ def test_ray_s_policy_flips_a_replica_and_sizes_each_deployment_for_the_replicas
             assert placed["prefill"]["flippedPods"] == ["decode-r2"] and placed["decode"]["servingPods"] == ["decode-r3"]
 
             observer.entries = observer.registry()  # the next call counts the flipped replica where it serves
-            policy.autoscaler = law = Law()
-            await asyncio.to_thread(policy, contexts({"prefill": 1, "decode": 2}, resource.spec))
+            policy.autoscaler = law = Law(None)
+            replicas, _ = await asyncio.to_thread(policy, contexts({"prefill": 1, "decode": 2}, resource.spec))
             assert law.expected == {"prefill": 2, "decode": 1}
+            assert {d.name: n for d, n in replicas.items()} == {"prefill": 1, "decode": 2}  # as they are
         finally:
             await fleet.close()
 
