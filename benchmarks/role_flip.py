@@ -1,8 +1,8 @@
 """Role flips on this CPU (issue 40): seconds from `splitserve flip` to the gateway seeing the worker serve its new
 role, with --streams streams running on the worker flipped.
 
-`splitserve up` with one prefill and two decode workers (SmolLM2, the bundled Redis, round-robin routing, so
-each decode worker gets half the streams). Each round sends 2 x --streams seeded streams (temperature 0.9,
+`splitserve up` with one prefill and two decode workers (SmolLM2 on --device, the bundled Redis, round-robin
+routing, so each decode worker gets half the streams). Each round sends 2 x --streams seeded streams (temperature 0.9,
 --max-tokens each); once every stream has a few tokens, the busier decode worker is flipped to prefill
 (`splitserve flip --drain-seconds D`: what is still running after D seconds moves to the other decode worker).
 Once the streams have ended, the same worker is flipped back to decode with --prefills long prompts in flight
@@ -47,7 +47,7 @@ CLUSTER = """apiVersion: splitserve.dev/v1alpha1
 kind: SplitServeCluster
 metadata: {{name: role-flip}}
 spec:
-  model: {{name: smollm2, dtype: float32, device: cpu, maxModelLen: 1024}}
+  model: {{name: smollm2, dtype: {dtype}, device: {device}, maxModelLen: 1024}}
   mode: disaggregated
   redis: {{mode: bundled}}
   prefill: {{replicas: 1, engine: {{kvCacheMemory: 128MiB}}}}
@@ -200,13 +200,15 @@ def main() -> None:
     p.add_argument("--prefills", type=int, default=4, help="long prompts in flight on the flip back to decode")
     p.add_argument("--prefill-lead", type=float, default=0.5, help="s between sending them and the flip")
     p.add_argument("--threshold", type=int, default=96, help="decode.disaggThreshold: the streams stay under it")
+    p.add_argument("--device", default="cpu", help="model.device of the three workers (cuda: they share one GPU)")
     p.add_argument("--save", default="cpu2", metavar="NAME", help="write benchmarks/results/role_flip_NAME.json, .md")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="role-flip-bench-"))
     config = workdir / "cluster.yaml"
-    config.write_text(CLUSTER.format(threshold=args.threshold))
+    config.write_text(CLUSTER.format(threshold=args.threshold, device=args.device,
+                                     dtype="float32" if args.device == "cpu" else "bfloat16"))
     load_start = os.getloadavg()[0]
     log(f"starting splitserve up: 1 prefill + 2 decode workers (load {load_start:.2f})")
     flips: list[dict[str, Any]] = []
@@ -219,7 +221,8 @@ def main() -> None:
     result = {"args": vars(args), "load_1m_start": round(load_start, 2), "flips": flips, "summary": summary}
     if not args.no_save:
         command = (f"`python benchmarks/role_flip.py --rounds {args.rounds} --streams {args.streams} "
-                   f"--max-tokens {args.max_tokens} --drain-seconds {args.drain_seconds}` on {os.cpu_count()} cores "
+                   f"--max-tokens {args.max_tokens} --drain-seconds {args.drain_seconds} --device {args.device}` on "
+                   f"{os.cpu_count()} cores "
                    f"(1-min load {load_start:.1f} at the start, {summary['load_1m']} at the end)")
         save(f"role_flip_{args.save}", result, report("Role flips on CPU (SmolLM2)", command, text, summary))
     print(text)
