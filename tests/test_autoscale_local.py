@@ -150,7 +150,7 @@ def test_the_docs_actuator_commands_are_valid():
 
     text = (ROOT / "docs" / "autoscaling.md").read_text()
     lines = [c for block in re.findall(r"```sh\n(.*?)```", text, re.S) for c in block.replace("\\\n", " ").splitlines()]
-    [up_line] = [c for c in lines if "splitserve up" in c]
+    [up_line] = [c for c in lines if "splitserve up" in c and "--autoscale" in c]
     [operator_line] = [c for c in lines if "splitserve operator" in c]
     args = shlex.split(up_line)[1:]
     assert "--autoscale" in args

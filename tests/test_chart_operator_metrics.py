@@ -151,10 +151,11 @@ def test_network_policy_lets_the_operator_observe_the_cluster(case, metrics_from
     workers = [o["spec"]["template"] for o in objects if o["kind"] == "Deployment"
                and o["metadata"]["labels"].get(names.ROLE_LABEL) in ("prefill", "decode", "both")]
     assert workers
-    for pod in workers:  # the registered workers' metrics_url; their gRPC port stays closed to the operator
+    for pod in workers:  # the registered workers' metrics_url, and their gRPC port for a role flip's Flip call
         labels = pod["metadata"]["labels"]
         assert admitted(policies, labels, container_port(pod, "metrics"), NS, operator)
-        assert not admitted(policies, labels, container_port(pod, "grpc"), NS, operator)
+        assert admitted(policies, labels, container_port(pod, "grpc"), NS, operator)
+        assert not admitted(policies, labels, container_port(pod, "grpc"), "monitoring", {"app": "prometheus"})
         assert admitted(policies, labels, container_port(pod, "metrics"), "monitoring", {"app": "prometheus"})
     # Nothing the chart's policies select is the operator: Prometheus (any namespace) reaches its metrics port.
     metrics_port = container_port(operator_pod, service["spec"]["ports"][0]["targetPort"])
