@@ -337,7 +337,7 @@ def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, p
 
 
 REBALANCE_COLD_STARTS = (20.0, 150.0)  # s: the engines' cold starts on an H200 (native, vllm; the profile's)
-REBALANCE_POLICIES = ("slo", "ray", "wva", "dynamo")
+REBALANCE_POLICIES = ("slo", "slo_warm2", "ray", "wva", "dynamo")  # slo_warm2: warmReplicas 2 (an operator's margin)
 GOAL_COST = 1.15  # GPU-seconds x the oracle's the goal allows (Azure conversation, Mooncake, Azure code)
 
 
@@ -349,8 +349,10 @@ def task_rebalance(case: TraceCase, duration: float | None, gpus: int, policy: s
     from splitserve.autoscaler.sim.simulator import simulate
 
     exp = experiment(case, duration, gpus, cold_start_s=cold_start_s, flips=flips)
+    law, _, warm = policy.partition("_warm")  # slo_warmN: the law with N warm replicas per role
+    exp.spec.autoscaling.warm_replicas = int(warm or 0)
     t0 = time.perf_counter()
-    res = simulate(exp.requests, settings_of(exp), exp.law(policy), initial)
+    res = simulate(exp.requests, settings_of(exp), exp.law(law), initial)
     return summary(res) | {"policy": policy, "cold_start_s": cold_start_s, "flips": flips, "role_flips": res.flips,
                            "wall_s": round(time.perf_counter() - t0, 1),
                            "timeline": [[round(pt.time), pt.prefill["ready"] + pt.prefill["starting"]
@@ -415,7 +417,8 @@ def rebalance_goals(results: dict[str, Any]) -> dict[str, Any]:
                 key = f"{name}@{c:g}s{'+flips' if f else ''}"
                 goals[key] = {"feasible_attainment": ours["feasible_attainment"],
                               "gpu_seconds_vs_oracle": ours["gpu_seconds_vs_oracle"],
-                              "better_than": {p: better(ours, x, cost_goal) for p, x in runs.items() if p != "slo"}}
+                              "better_than": {p: better(ours, x, cost_goal) for p, x in runs.items()
+                                              if not p.startswith("slo")}}
                 if cost_goal is not None:
                     goals[key]["goal_met"] = (ours["feasible_attainment"] >= TARGET
                                               and ours["gpu_seconds_vs_oracle"] <= cost_goal)
