@@ -328,11 +328,9 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
     recent = tuple((t, v) for t, v in rs.recent if now - t < rs.hold_s) + ((now, _held(role, target, need, c, shared)),)
     rs = replace(rs, recent=recent)
 
-    # what a flip may not take: the need below the scale-up threshold, and the insurance against a cold start
-    # (burst memory, decode's learned floor): flipping decode's burst memory to a prefill burst left decode a
-    # cold start short when the burst's requests reached it (bursty trace, 150-s starts: 0.779 against 0.787)
-    keep = max(_at(max(planned, need), high), _at(peak, c.max_utilization) if peak > planned else 0,
-               math.ceil(_floor(rs, now, c) - 1e-9) if role == "decode" else 0) + c.warm_replicas
+    # what a flip may not take: the replicas that carry the need below the scale-up threshold; the rest (the
+    # hysteresis and the burst memory, insurance against a cold start) serves the other role's need now
+    keep = _at(max(planned, need), high) + c.warm_replicas
 
     def plan(replicas: int, reason: str) -> _Plan:
         return _Plan(replicas, reason, rs, need, planned, u, burst, keep)

@@ -372,7 +372,7 @@ def better(ours: dict[str, Any], theirs: dict[str, Any], cost_goal: float | None
 
 
 def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, cold_starts: list[float],
-              policies: list[str]) -> dict[str, Any]:
+              policies: list[str], flips: tuple[bool, ...] = (False, True), keep: bool = False) -> dict[str, Any]:
     """Each trace at each cold start, with role flips and without, for the SLO law and the anchors' laws, beside
     the oracle and the best static of results/autoscaling_<trace>.json (neither pays a cold start nor flips).
     -> results/autoscaling_rebalance_<trace>.json; a table per trace and a last JSON line with the goals."""
@@ -382,10 +382,18 @@ def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, co
             case = CASES[name]
             base = trace_results(name, duration, "the rebalance runs are priced against its oracle")
             oracle_s, initial = base["policies"]["oracle"]["gpu_seconds"], tuple(base["initial"])
-            tasks = [(p, c, f) for c in cold_starts for f in (False, True) for p in policies]
+            tasks = [(p, c, f) for c in cold_starts for f in flips for p in policies]
             t0 = time.perf_counter()
             runs = list(pool.map(task_rebalance, *zip(*[(case, duration, gpus, p, c, f, initial) for p, c, f in tasks],
                                                       strict=True)))
+            path = RESULTS / f"autoscaling_rebalance_{name}.json"
+            if keep and path.exists():  # the runs not repeated now stay
+                again = {(p, c, f) for p, c, f in tasks}
+                kept = [r for r in json.loads(path.read_text())["runs"]
+                        if (r["policy"], r["cold_start_s"], r["flips"]) not in again]
+                order = {(p, c, f): i for i, (c, f, p) in enumerate(
+                    (c, f, p) for c in cold_starts for f in (False, True) for p in REBALANCE_POLICIES)}
+                runs = sorted(kept + runs, key=lambda r: order.get((r["policy"], r["cold_start_s"], r["flips"]), 1e9))
             for r in runs:
                 r["gpu_seconds_vs_oracle"] = round(r["gpu_seconds"] / oracle_s, 3)
             result = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
@@ -394,7 +402,7 @@ def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, co
                       "oracle": base["policies"]["oracle"] | {"gpu_seconds_vs_oracle": 1.0},
                       "static": base["policies"]["static"], "runs": runs,
                       "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
-            (RESULTS / f"autoscaling_rebalance_{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+            path.write_text(json.dumps(result, indent=1) + "\n")
             print_rebalance(name, result)
             out[name] = result
     print(json.dumps({"rebalance": rebalance_goals(out)}))
@@ -1084,6 +1092,8 @@ def main() -> None:
     ap.add_argument("--rebalance", action="store_true",
                     help="each --traces trace at each --cold-starts, with role flips and without, for the SLO law "
                     "and the anchors' laws (or --only) -> results/autoscaling_rebalance_<trace>.json")
+    ap.add_argument("--flips", choices=("both", "yes", "no"), default="both",
+                    help="--rebalance: run with role flips, without, or both")
     ap.add_argument("--cold-starts", default=",".join(f"{c:g}" for c in REBALANCE_COLD_STARTS),
                     help="--rebalance, --bound: cold starts (s) to run, comma-separated")
     ap.add_argument("--reuse-baselines", action="store_true",
@@ -1124,7 +1134,11 @@ def main() -> None:
         ratchet(names, args.duration, args.gpus, args.jobs)
         return
     if args.rebalance:
-        rebalance(names, args.duration, args.gpus, args.jobs, cold_starts, only or list(REBALANCE_POLICIES))
+        flips = {"both": (False, True), "yes": (True,), "no": (False,)}[args.flips]
+        if (only or flips != (False, True)) and not args.reuse_baselines:
+            ap.error("--rebalance with --only or --flips needs --reuse-baselines (it replaces those runs in the file)")
+        rebalance(names, args.duration, args.gpus, args.jobs, cold_starts, only or list(REBALANCE_POLICIES), flips,
+                  keep=args.reuse_baselines)
         return
     if args.robustness:
         robustness(names, args.duration, args.gpus, args.jobs, only or ["slo"])
