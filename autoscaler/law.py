@@ -56,7 +56,6 @@ class LawConfig:
     cold_start_s: float = 60.0  # s from asking for a replica to its first request: the forecast's lead
     flips: bool = False  # workers can move between the roles (`flips.RoleFlip`); False: starts and stops only
     flip_s: float = 5.0  # s a drained worker takes to serve the other role
-    keep_memory: bool = False  # EXPERIMENT
     warm_replicas: int = 0  # replicas per role kept above the planned need
     target_utilization: float = 0.8  # of a replica flat out, where a change lands (prefill: or lower, for TTFT)
     high_utilization: float = 0.9  # above this (forecast), scale up (scaled with the target for prefill)
@@ -275,12 +274,14 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
           spare: float = 0.0) -> _Plan:
     ro = obs.role(role)
     now = obs.time
-    rs = _correct(role, ro, n, rs, c, shared)
+    k = obs.window_seconds / SMOOTH_BIN_S  # the per-window steps below are per SMOOTH_BIN_S, whatever the interval
+    rs = _correct(role, ro, n, rs, c, shared, k)
     need = _measured_need(role, ro, n, rs, c)
     u = c.target_utilization * rs.slo_factor
     if role == "prefill":  # the TTFT objective's queueing headroom, at the mean prompt of the last minutes
         mean_in = ro.mean_input_tokens if ro.arrival_rate > 0 else rs.mean_input
-        rs = replace(rs, mean_input=mean_in if rs.mean_input <= 0 else 0.9 * rs.mean_input + 0.1 * mean_in)
+        w = 0.1 if k == 1.0 else 1 - 0.9 ** k  # weight of this window (per SMOOTH_BIN_S: 0.1)
+        rs = replace(rs, mean_input=mean_in if rs.mean_input <= 0 else (1 - w) * rs.mean_input + w * mean_in)
         ceiling = capacity_at_slo(c.profile, c.ttft_s, c.itl_s, max(1.0, rs.mean_input), 1.0).prefill_utilization
         u = min(c.target_utilization, ceiling) * rs.slo_factor
     high, low = u * c.high_utilization / c.target_utilization, u * c.low_utilization / c.target_utilization
@@ -290,6 +291,10 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
     rs = replace(rs, history=history)
     # slow loop: re-plan once per planner period, from the forecast a cold start ahead
     recent_need = [v for t, v in history if now - t < c.smoothing_s]
+    # the fast loop's need: the mean over the last SMOOTH_BIN_S (one window at the default interval): called
+    # every 5 s, the law chased 5-s clumps and held what they needed
+    near = [v for t, v in history if now - t < SMOOTH_BIN_S - 1e-9]
+    need = sum(near) / len(near)
     smooth_need = sum(recent_need) / len(recent_need)  # one bursty window is the fast loop's, not the plan's
     if rs.planned is None or now - rs.planned_at >= c.planner_interval_s:
         ahead = forecast(history, now, c.cold_start_s + c.planner_interval_s, c.trend_window_s / 2,
@@ -300,7 +305,7 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
         # a KV-bound pool's load is a stock of long contexts that swings in surges, which fill the cache faster
         # than a cold start (Mooncake, seed 5: 35% to 99% in 90 s on 4 replicas): it plans for the largest need
         # of the last minutes and a fifth more, where a minute's mean left two seeds of six under 95%
-        planned = max(planned, KV_PEAK_MARGIN * max(v for _, v in history))
+        planned = max(planned, KV_PEAK_MARGIN * _binned_max(history))
     if spare > 0:  # prefill: decode's spare compute takes the prompts spilled to it, up to a share of the plan
         planned = max(planned * (1 - SPILL_SHARE_MAX), planned - spare)
     current = ro.replicas
@@ -323,10 +328,9 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
     recent = tuple((t, v) for t, v in rs.recent if now - t < rs.hold_s) + ((now, _held(role, target, need, c, shared)),)
     rs = replace(rs, recent=recent)
 
+    # what a flip may not take: the replicas that carry the need below the scale-up threshold; the rest (the
+    # hysteresis and the burst memory, insurance against a cold start) serves the other role's need now
     keep = _at(max(planned, need), high) + c.warm_replicas
-    if c.keep_memory:  # EXPERIMENT
-        keep = max(keep, _at(peak, c.max_utilization) + c.warm_replicas if peak > planned else 0,
-                   math.ceil(_floor(rs, now, c) - 1e-9) if role == "decode" else 0)
 
     def plan(replicas: int, reason: str) -> _Plan:
         return _Plan(replicas, reason, rs, need, planned, u, burst, keep)
@@ -346,6 +350,14 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
                             f"for {rs.hold_s:g} s")
     util = planned / base if base > 0 else 0.0
     return plan(current, f"hold {current}: utilisation {util:.2f} (target {u:.2f})")
+
+
+def _binned_max(history: tuple[tuple[float, float], ...]) -> float:
+    """The largest mean need of the history's SMOOTH_BIN_S bins (a peak that does not grow with the call rate)."""
+    bins: dict[int, list[float]] = {}
+    for t, v in history:
+        bins.setdefault(math.floor(t / SMOOTH_BIN_S), []).append(v)
+    return max(statistics.fmean(v) for v in bins.values())
 
 
 def _burst_floor(role: str, ro: RoleObservation, current: int) -> int:
@@ -456,7 +468,7 @@ def _remember(rs: RoleState, burst: bool, now: float, burst_need: float, c: LawC
 
 
 def _correct(role: str, ro: RoleObservation, n: Needs, rs: RoleState, c: LawConfig,
-             shared: bool = False) -> RoleState:
+             shared: bool = False, k: float = 1.0) -> RoleState:
     """Learn from measurements where the profile is off for this traffic.
 
     - Cost (prefill): the profile prices the mean prompt; real prompts vary (attention grows with the square of
@@ -471,13 +483,14 @@ def _correct(role: str, ro: RoleObservation, n: Needs, rs: RoleState, c: LawConf
     """
     if role == "prefill" and ro.replicas_ready and n.prefill >= 0.05 and 0.02 < ro.busy_fraction < 0.9:
         ratio = min(4.0, max(0.5, ro.busy_fraction * ro.replicas_ready / n.prefill))
-        rs = replace(rs, correction=(1 - c.correction_gain) * rs.correction + c.correction_gain * ratio)
+        gain = c.correction_gain if k == 1.0 else 1 - (1 - c.correction_gain) ** k
+        rs = replace(rs, correction=(1 - gain) * rs.correction + gain * ratio)
     signals = [(lat, obj) for lat, obj, _ in _latencies(role, ro, c) if lat.p90 is not None]
     # no wind-up: while this role's new replicas load, the misses are already being answered
     if any(lat.p90 > obj for lat, obj in signals) and ro.replicas_arriving == 0:
-        rs = replace(rs, slo_factor=max(c.min_slo_factor, rs.slo_factor * 0.93))
+        rs = replace(rs, slo_factor=max(c.min_slo_factor, rs.slo_factor * 0.93 ** k))
     elif signals and all(_slack(lat, obj, shared and _spill_tail(role, ro)) for lat, obj in signals):
-        rs = replace(rs, slo_factor=min(_ceiling(role, ro, c) / c.target_utilization, rs.slo_factor * 1.02))
+        rs = replace(rs, slo_factor=min(_ceiling(role, ro, c) / c.target_utilization, rs.slo_factor * 1.02 ** k))
     return rs
 
 

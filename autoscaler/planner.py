@@ -5,7 +5,7 @@ Need is measured in replicas running flat out (`profile.capacity_at_slo`): for p
 a replica's prefill tokens/s; for decode, output tokens/s over a replica's tokens/s at the largest batch the
 ITL objective, the KV cache and max_num_seqs allow. 3.2 means the work of 3.2 busy replicas. The law divides
 it by a target utilisation, which for prefill the TTFT objective may lower (queueing). The forecast is a
-least-squares line through the last minutes of that need, read a model load time + planner period ahead, so
+least-squares line through the last minutes of that need, read a cold start + planner period ahead, so
 scale-up leads demand by the cold start. Plain Python.
 """
 

@@ -336,7 +336,7 @@ def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, p
 
 
 REBALANCE_COLD_STARTS = (20.0, 150.0)  # s: the engines' cold starts on an H200 (native, vllm; the profile's)
-REBALANCE_POLICIES = ("slo", "ray", "wva", "dynamo")
+REBALANCE_POLICIES = ("slo", "slo_warm2", "ray", "wva", "dynamo")  # slo_warm2: warmReplicas 2 (an operator's margin)
 GOAL_COST = 1.15  # GPU-seconds x the oracle's the goal allows (Azure conversation, Mooncake, Azure code)
 
 
@@ -348,8 +348,10 @@ def task_rebalance(case: TraceCase, duration: float | None, gpus: int, policy: s
     from splitserve.autoscaler.sim.simulator import simulate
 
     exp = experiment(case, duration, gpus, cold_start_s=cold_start_s, flips=flips)
+    law, _, warm = policy.partition("_warm")  # slo_warmN: the law with N warm replicas per role
+    exp.spec.autoscaling.warm_replicas = int(warm or 0)
     t0 = time.perf_counter()
-    res = simulate(exp.requests, settings_of(exp), exp.law(policy), initial)
+    res = simulate(exp.requests, settings_of(exp), exp.law(law), initial)
     return summary(res) | {"policy": policy, "cold_start_s": cold_start_s, "flips": flips, "role_flips": res.flips,
                            "wall_s": round(time.perf_counter() - t0, 1),
                            "timeline": [[round(pt.time), pt.prefill["ready"] + pt.prefill["starting"]
@@ -369,7 +371,7 @@ def better(ours: dict[str, Any], theirs: dict[str, Any], cost_goal: float | None
 
 
 def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, cold_starts: list[float],
-              policies: list[str]) -> dict[str, Any]:
+              policies: list[str], flips: tuple[bool, ...] = (False, True), keep: bool = False) -> dict[str, Any]:
     """Each trace at each cold start, with role flips and without, for the SLO law and the anchors' laws, beside
     the oracle and the best static of results/autoscaling_<trace>.json (neither pays a cold start nor flips).
     -> results/autoscaling_rebalance_<trace>.json; a table per trace and a last JSON line with the goals."""
@@ -379,10 +381,18 @@ def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, co
             case = CASES[name]
             base = trace_results(name, duration, "the rebalance runs are priced against its oracle")
             oracle_s, initial = base["policies"]["oracle"]["gpu_seconds"], tuple(base["initial"])
-            tasks = [(p, c, f) for c in cold_starts for f in (False, True) for p in policies]
+            tasks = [(p, c, f) for c in cold_starts for f in flips for p in policies]
             t0 = time.perf_counter()
             runs = list(pool.map(task_rebalance, *zip(*[(case, duration, gpus, p, c, f, initial) for p, c, f in tasks],
                                                       strict=True)))
+            path = RESULTS / f"autoscaling_rebalance_{name}.json"
+            if keep and path.exists():  # the runs not repeated now stay
+                again = {(p, c, f) for p, c, f in tasks}
+                kept = [r for r in json.loads(path.read_text())["runs"]
+                        if (r["policy"], r["cold_start_s"], r["flips"]) not in again]
+                order = {(p, c, f): i for i, (c, f, p) in enumerate(
+                    (c, f, p) for c in cold_starts for f in (False, True) for p in REBALANCE_POLICIES)}
+                runs = sorted(kept + runs, key=lambda r: order.get((r["policy"], r["cold_start_s"], r["flips"]), 1e9))
             for r in runs:
                 r["gpu_seconds_vs_oracle"] = round(r["gpu_seconds"] / oracle_s, 3)
             result = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
@@ -391,7 +401,7 @@ def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, co
                       "oracle": base["policies"]["oracle"] | {"gpu_seconds_vs_oracle": 1.0},
                       "static": base["policies"]["static"], "runs": runs,
                       "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
-            (RESULTS / f"autoscaling_rebalance_{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+            path.write_text(json.dumps(result, indent=1) + "\n")
             print_rebalance(name, result)
             out[name] = result
     print(json.dumps({"rebalance": rebalance_goals(out)}))
@@ -414,7 +424,8 @@ def rebalance_goals(results: dict[str, Any]) -> dict[str, Any]:
                 key = f"{name}@{c:g}s{'+flips' if f else ''}"
                 goals[key] = {"feasible_attainment": ours["feasible_attainment"],
                               "gpu_seconds_vs_oracle": ours["gpu_seconds_vs_oracle"],
-                              "better_than": {p: better(ours, x, cost_goal) for p, x in runs.items() if p != "slo"}}
+                              "better_than": {p: better(ours, x, cost_goal) for p, x in runs.items()
+                                              if not p.startswith("slo")}}
                 if cost_goal is not None:
                     goals[key]["goal_met"] = (ours["feasible_attainment"] >= TARGET
                                               and ours["gpu_seconds_vs_oracle"] <= cost_goal)
@@ -1067,6 +1078,8 @@ def main() -> None:
     ap.add_argument("--rebalance", action="store_true",
                     help="each --traces trace at each --cold-starts, with role flips and without, for the SLO law "
                     "and the anchors' laws (or --only) -> results/autoscaling_rebalance_<trace>.json")
+    ap.add_argument("--flips", choices=("both", "yes", "no"), default="both",
+                    help="--rebalance: run with role flips, without, or both")
     ap.add_argument("--cold-starts", default=",".join(f"{c:g}" for c in REBALANCE_COLD_STARTS),
                     help="--rebalance, --bound: cold starts (s) to run, comma-separated")
     ap.add_argument("--reuse-baselines", action="store_true",
@@ -1107,7 +1120,11 @@ def main() -> None:
         ratchet(names, args.duration, args.gpus, args.jobs)
         return
     if args.rebalance:
-        rebalance(names, args.duration, args.gpus, args.jobs, cold_starts, only or list(REBALANCE_POLICIES))
+        flips = {"both": (False, True), "yes": (True,), "no": (False,)}[args.flips]
+        if (only or flips != (False, True)) and not args.reuse_baselines:
+            ap.error("--rebalance with --only or --flips needs --reuse-baselines (it replaces those runs in the file)")
+        rebalance(names, args.duration, args.gpus, args.jobs, cold_starts, only or list(REBALANCE_POLICIES), flips,
+                  keep=args.reuse_baselines)
         return
     if args.robustness:
         robustness(names, args.duration, args.gpus, args.jobs, only or ["slo"])

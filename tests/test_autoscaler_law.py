@@ -516,3 +516,31 @@ def test_config_from_the_cluster_spec():
     assert (b.ratio_min, b.ratio_max, b.gpu_budget, b.gpus_per_replica) == (0.25, 1.0, 24, 2)
     assert (cfg.ttft_s, cfg.itl_s, cfg.cold_start_s, cfg.warm_replicas) == (1.5, 0.05, 90.0, 1)
     assert cfg.target_utilization == 0.7 and cfg.low_utilization < 0.7 < cfg.high_utilization
+
+
+# -- the call rate ---------------------------------------------------------------------------------------
+def _every(interval: float, n: int, **kw) -> list[Observation]:
+    return [replace(obs(interval * (i + 1), **kw), window_seconds=interval) for i in range(n)]
+
+
+def test_the_law_s_learning_is_per_second_not_per_call():
+    """Called every 5 s instead of 15, the SLO loop's steps and the smoothed prompt length move as far in the same
+    time: three 5-s windows missing the objective lower the target as one 15-s window does."""
+    miss = dict(p=4, d=2, prefill_tok_s=2.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S, ttft_p90=5.0, queued=2)
+    slow = run(_every(15.0, 4, **miss), config(), follow=False)[-1].state
+    fast = run(_every(5.0, 12, **miss), config(), follow=False)[-1].state
+    assert slow.prefill.slo_factor < 1.0
+    assert fast.prefill.slo_factor == pytest.approx(slow.prefill.slo_factor, rel=1e-9)
+    assert fast.prefill.mean_input == pytest.approx(slow.prefill.mean_input, rel=1e-9)
+
+
+def test_called_every_5_s_the_fast_loop_sizes_on_the_last_15_s():
+    """A 5-s window of three times the load, between two calm ones, is a third of the last 15 s: the burst is
+    sized on that mean, not on the 5-s peak."""
+    calm = dict(p=2, d=2, out_tok_s=1.0 * DECODE_TOK_S, prefill_tok_s=1.0 * PREFILL_TOK_S)
+    stream = _every(5.0, 2, **calm) + [replace(obs(15.0, p=2, d=2, out_tok_s=1.0 * DECODE_TOK_S,
+                                                   prefill_tok_s=7.0 * PREFILL_TOK_S, queue_tokens=100_000,
+                                                   queued=100, ttft_p90=4.0), window_seconds=5.0)]
+    last = run(stream, config(), follow=False)[-1]
+    assert last.prefill.need == pytest.approx(3.0, rel=1e-6)  # (1 + 1 + 7) / 3
+    assert last.prefill.action == "up" and last.prefill.desired < 7

@@ -32,7 +32,7 @@ def summary(res: SimResult) -> dict[str, Any]:
             "feasible_fraction": round(sum(res.settings.feasible(r) for r in reqs) / max(1, len(reqs)), 4),
             "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9), "ttft_p99_s": pct(ttfts, 0.99),
             "itl_p50_s": itl[0], "itl_p90_s": itl[1], "itl_p99_s": itl[2],
-            "end_time_s": round(res.end_time, 1), "events": res.events,
+            "end_time_s": round(res.end_time, 1), "events": res.events, "role_flips": res.flips,
             "max_gpus": max((p.gpus for p in res.timeline), default=0),
             "scale_changes": sum(1 for a, b in zip(res.timeline, res.timeline[1:], strict=False)
                                  if (a.prefill["desired"], a.decode["desired"]) != (b.prefill["desired"], b.decode["desired"]))}
