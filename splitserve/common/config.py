@@ -141,6 +141,12 @@ class EngineSpec(Spec):
     """CPU threads for the model's math (0: the library's default)."""
     seed: int = 0
     """Seed of requests sampled without their own seed."""
+    batch_invariant: bool = False
+    """Compute each token the same whatever else is in its engine step and wherever its prompt was computed: a
+    seeded or greedy request then gives the same tokens colocated or disaggregated, after a prefix-cache hit, a
+    KV pool load or a move, alone or in a batch (same hardware, dtype and settings). Native engine: attention
+    over fixed KV tiles, a lone matmul row computed as two (docs/engines.md gives the cost). Engine vllm:
+    vLLM's VLLM_BATCH_INVARIANT, on a GPU only."""
     data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
     """engine vllm: data-parallel ranks in each worker's vLLM server, each with model.tensorParallelSize GPUs
     (MoE with model.expertParallel: attention data-parallel, experts spread over every GPU). Native: 1 (more
