@@ -570,6 +570,9 @@ class ClusterSpec(Spec):
             if self.role(r).engine.threads:
                 raise ValueError(f"{r}.engine.threads: engine vllm picks its own CPU threads (VLLM_CPU_OMP_THREADS_BIND "
                                  f"in the worker's environment); leave threads at 0")
+            if self.role(r).engine.batch_invariant and self.model.device == "cpu":
+                raise ValueError(f"{r}.engine.batchInvariant: vLLM's batch-invariant mode runs on GPUs only (on CPU "
+                                 f"its overrides are Triton kernels); use engine native on CPU")
 
     def gpus_per_worker(self, name: str) -> int:
         """GPUs one worker of role `name` uses: tensor-parallel size times its data-parallel ranks."""
