@@ -162,10 +162,13 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--kv-cache-memory", default=None, help="[default: 1GiB on cpu, 24GiB on cuda]")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--save", metavar="NAME", help="write benchmarks/results/batch_invariance_NAME.json")
     ap.add_argument("--only", choices=["off", "on"], help=argparse.SUPPRESS)  # one mode, its samples as JSON
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.model = args.model or ("llama8b" if cuda else "smollm2")
     args.prefill_prompts = args.prefill_prompts or (16 if cuda else 4)
     args.prefill_len = args.prefill_len or (2048 if cuda else 512)

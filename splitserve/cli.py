@@ -183,7 +183,6 @@ WORKER_FLAGS = ENGINE_FLAGS + [
     flag("drain-seconds", "prefill.drain_seconds", "decode.drain_seconds"),
     flag("redis-url", "redis.url"),
     flag("kv-pool", "kv_pool.enabled"),
-    flag("batch-invariant", "prefill.engine.batch_invariant", "decode.engine.batch_invariant"),
 ]
 
 
