@@ -32,20 +32,22 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     n = _cdiv(int(seq_lens.max()), tile)
     per_tile = tile // bs
-    tables = block_tables[:, : n * per_tile]
-    if tables.shape[1] < n * per_tile:
-        tables = torch.nn.functional.pad(tables, (0, n * per_tile - tables.shape[1]))
-    # [B, n*tile, Hkv, D] gathered, then K^T [B, Hkv, n, D, tile] and V [B, Hkv, n, tile, D], float32
-    k = k_cache[tables].view(b, n, tile, hkv, d).permute(0, 3, 1, 4, 2).float().contiguous()
-    v = v_cache[tables].view(b, n, tile, hkv, d).permute(0, 3, 1, 2, 4).float().contiguous()
+    width = n * per_tile
+    tables = block_tables[:, :width]
+    if tables.shape[1] < width:
+        tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+    # past its own blocks a row reads its first block again: every block read is the row's own, whole and at
+    # rest (a padding block could be one a KV transfer is writing), so the masked positions' values are finite
+    # and their zero weights leave nothing behind
+    own = torch.arange(width, device=q.device)[None, :] < _cdiv_t(seq_lens, bs)[:, None]
+    tables = torch.where(own, tables, tables[:, :1])
+    k, v = _gather(k_cache, v_cache, tables.reshape(-1), (b, n, tile))  # [Hkv, B, n, D, tile], [..., tile, D]
     kpos = torch.arange(n * tile, device=q.device)
-    beyond = kpos[None, :] >= seq_lens[:, None]  # [B, n*tile]
-    v.view(b, hkv, n * tile, d).masked_fill_(beyond[:, None, :, None], 0.0)  # stale blocks: no NaN times zero
     group = h // hkv
-    qg = (q.float() * scale).view(b, hkv, 1, group, d)
-    qpos = (seq_lens - 1).view(b, 1, 1, 1, 1)
-    m, lse, acc = _tiles(qg, k, v, qpos, kpos.view(n, 1, tile), 0)
-    return _merge(m, lse, acc).reshape(b, h, d).to(q.dtype)
+    qg = (q.float() * scale).view(b, hkv, group, d).transpose(0, 1).unsqueeze(2)  # [Hkv, B, 1, group, D]
+    qpos = (seq_lens - 1).view(1, b, 1, 1, 1)
+    m, sums, acc = _tiles(qg, k, v, qpos, kpos.view(n, 1, tile), 0)
+    return _merge(m, sums, acc).transpose(0, 1).reshape(b, h, d).to(q.dtype)
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -57,11 +59,9 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     length = context_start + t
     n_all = _cdiv(length, tile)
     blocks = block_ids[: n_all * (tile // bs)]
-    if len(blocks) < n_all * (tile // bs):
+    if len(blocks) < n_all * (tile // bs):  # the last tile past the sequence: its first block again (as decode)
         blocks = torch.cat([blocks, blocks[:1].expand(n_all * (tile // bs) - len(blocks))])
-    k = k_cache.index_select(0, blocks).view(n_all, tile, hkv, d).permute(2, 0, 3, 1).float().contiguous()
-    v = v_cache.index_select(0, blocks).view(n_all, tile, hkv, d).permute(2, 0, 1, 3).float().contiguous()
-    v.view(hkv, n_all * tile, d)[:, length:] = 0.0
+    k, v = _gather(k_cache, v_cache, blocks, (n_all, tile))  # [Hkv, n, D, tile], [Hkv, n, tile, D]
     group = h // hkv
     qs = (q.float() * scale).view(t, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, t, group, D]
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
@@ -72,8 +72,8 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         qpos = torch.arange(context_start + a, context_start + z, device=q.device).repeat_interleave(group)
         first = (context_start + a) // tile  # tiles before it lie wholly before every row of the pass
         kpos = torch.arange(first * tile, n * tile, device=q.device).view(n - first, 1, tile)
-        m, lse, acc = _tiles(rows, k[:, :n], v[:, :n], qpos.view(1, 1, -1, 1), kpos, first)
-        out[a:z] = _merge(m, lse, acc).view(hkv, z - a, group, d).permute(1, 0, 2, 3).reshape(z - a, h, d)
+        m, sums, acc = _tiles(rows, k[:, :n], v[:, :n], qpos.view(1, 1, -1, 1), kpos, first)
+        out[a:z] = _merge(m, sums, acc).view(hkv, z - a, group, d).permute(1, 0, 2, 3).reshape(z - a, h, d)
     return out
 
 
@@ -81,8 +81,8 @@ def _tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor
            first_masked: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per tile: max score, sum of exponentials and weighted values of each row.
 
-    q [..., 1, R, D] (scaled), k [..., n, D, tile], v [..., n, tile, D]; a key of tile >= first_masked counts only
-    where kpos <= qpos (kpos [n - first_masked, 1, tile], qpos broadcast against [..., R, 1]).
+    q [..., 1, R, D] (scaled), k [..., n, D, tile], v [..., n, tile, D]; a key of tile >= first_masked counts
+    only where kpos <= qpos (kpos [n - first_masked, 1, tile], qpos broadcast against [..., R, 1]).
     Returns m [..., n, R], sums [..., n, R], acc [..., n, R, D]."""
     s = _matmul(q, k)  # [..., n, R, tile]
     if first_masked < s.shape[-3]:
@@ -103,6 +103,20 @@ def _merge(m: torch.Tensor, sums: torch.Tensor, acc: torch.Tensor) -> torch.Tens
     return out / total.unsqueeze(-1)
 
 
+def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+            shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """These blocks of a layer's K and V, float32, head-major, cut into `shape` (..., tiles, tile): K transposed
+    [Hkv, ..., D, tile] and V [Hkv, ..., tile, D], both contiguous (a transposed view would take the math library
+    down paths whose sums follow the number of rows)."""
+    d = k_cache.shape[-1]
+    k = k_cache.index_select(0, block_ids).view(*shape, -1, d)  # whole blocks: [..., tile, Hkv, D]
+    v = v_cache.index_select(0, block_ids).view(*shape, -1, d)
+    nd = len(shape)
+    k = k.permute(nd, *range(nd - 1), nd + 1, nd - 1)
+    v = v.permute(nd, *range(nd - 1), nd - 1, nd + 1)
+    return k.float().contiguous(), v.float().contiguous()
+
+
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with at least two rows: a one-row product takes the math library's vector path, which reduces in
     another order than the matrix path every longer batch takes."""
@@ -113,3 +127,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _cdiv_t(a: torch.Tensor, b: int) -> torch.Tensor:
+    return torch.div(a + b - 1, b, rounding_mode="floor")
