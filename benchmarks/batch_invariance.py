@@ -49,7 +49,7 @@ def build(args, invariant: bool):
         model=ModelConfig(path, dtype="bfloat16" if cuda else "float32", device=args.device,
                           max_model_len=args.max_model_len, load_format="dummy" if dummy else "auto",
                           batch_invariant=invariant),
-        cache=CacheConfig(kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False),
+        cache=CacheConfig(kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=True),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=max(64, max(args.batches))),
     ))
     return engine
@@ -66,7 +66,8 @@ def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def prefill_rate(engine, args, seed: int) -> float:
-    """Tokens/s computing `--prefill-prompts` prompts of `--prefill-len` tokens (one output token each)."""
+    """Tokens/s computing `--prefill-prompts` prompts of `--prefill-len` tokens (one output token each; new
+    prompts every round, so none is cached)."""
     from splitserve.engine import SamplingParams
 
     batch = prompts(engine.arch.vocab_size, args.prefill_prompts, args.prefill_len, seed)
@@ -77,13 +78,15 @@ def prefill_rate(engine, args, seed: int) -> float:
     return len(batch) * args.prefill_len / (time.perf_counter() - t0)
 
 
-def decode_rate(engine, args, batch: int, seed: int) -> float:
-    """Tokens/s of `--decode-steps` decode steps of `batch` greedy requests at `--context` tokens of context."""
+def decode_rate(engine, args, batch: int, tag: str) -> float:
+    """Tokens/s of `--decode-steps` decode steps of `batch` greedy requests at `--context` tokens of context. The
+    contexts are the same every round (the first `batch` of one set): after the first round the prefix cache
+    holds them, and a round computes little more than its decode steps."""
     from splitserve.engine import SamplingParams
 
     steps = args.decode_steps
-    for i, p in enumerate(prompts(engine.arch.vocab_size, batch, args.context, seed)):
-        engine.add_request(f"dec{seed}-{i}", p, SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
+    for i, p in enumerate(prompts(engine.arch.vocab_size, max(args.batches), args.context, 99)[:batch]):
+        engine.add_request(f"dec-{tag}-{i}", p, SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
     engine.step()
@@ -113,6 +116,7 @@ def holds(engine, args) -> dict[str, bool]:
         return inner(logits, requests)
 
     sampler.sample = tap
+    engine.scheduler.pool.enable_caching = False  # each run computes the whole prompt, its own way
     vocab = engine.arch.vocab_size
     prompt = prompts(vocab, 1, args.check_len, 7)[0]
 
@@ -138,6 +142,7 @@ def holds(engine, args) -> dict[str, bool]:
         run("resumed", prompt + out[:3], sp(3, offset=3))
     finally:
         del sampler.sample  # the instance attribute: the method again
+        engine.scheduler.pool.enable_caching = True
 
     def same(a, b):
         return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
@@ -197,13 +202,13 @@ def measure(args, modes: list[str]) -> dict[str, dict]:
     """Per mode: median prefill and decode rates over the rounds, and the check."""
     engines = {mode: build(args, mode == "on") for mode in modes}
     for engine in engines.values():  # warm-up: kernels compiled, allocator settled
-        prefill_rate(engine, argparse.Namespace(**{**vars(args), "prefill_prompts": 1, "prefill_len": 64}), 0)
+        prefill_rate(engine, argparse.Namespace(**{**vars(args), "prefill_prompts": 1, "prefill_len": 64}), 12345)
     samples: dict[str, dict[str, list[float]]] = {m: defaultdict(list) for m in engines}
     for r in range(args.rounds):
         for mode, engine in engines.items():
             samples[mode]["prefill"].append(prefill_rate(engine, args, seed=r))
             for b in args.batches:
-                samples[mode][f"decode_b{b}"].append(decode_rate(engine, args, b, seed=1000 * r + b))
+                samples[mode][f"decode_b{b}"].append(decode_rate(engine, args, b, tag=f"{r}-{b}"))
     return {mode: {"prefill_tok_s": statistics.median(samples[mode]["prefill"]),
                    "decode_tok_s": {str(b): statistics.median(samples[mode][f"decode_b{b}"]) for b in args.batches},
                    "holds": holds(engine, args)} for mode, engine in engines.items()}
