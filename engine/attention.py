@@ -2,6 +2,11 @@
 
 KV cache layout, per layer: K and V each `[num_blocks, block_size, num_kv_heads, head_dim]`, so one block's
 bytes are contiguous and a run of consecutive block ids is one contiguous region (what the KV transfer sends).
+
+With `batch_invariant` every row, decode or prefill, reads its keys from the cache and reduces them in the same
+fixed order whatever else is in the step: the tiled kernel on the CPU, the paged decode kernel on CUDA (a prefill
+row is a decode row of its own length there). Otherwise decodes and prefill chunks take the fastest kernels,
+whose reduction order follows the shapes of the step.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     # Called after layer i's K/V for this batch are written to the cache (KV streaming hook).
     on_layer_written: Callable[[int], None] | None = None
+    batch_invariant: bool = False  # each row's result independent of the step's other rows (module docstring)
+    max_seq_len: int = 0  # batch_invariant on CUDA: the longest sequence (fixes the decode kernel's merge width)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -52,6 +59,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    if meta.batch_invariant:
+        return _invariant(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
@@ -61,6 +70,46 @@ def paged_attention(
         sl = slice(p.token_start, p.token_start + p.num_tokens)
         out[sl] = _prefill_attention(q[sl], k[sl], v[sl], k_cache, v_cache, p, scale)
     return out
+
+
+def _invariant(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if q.is_cuda and HAS_TRITON:
+        return _triton_rows(q, k_cache, v_cache, meta, scale)
+    from splitserve.engine.kernels import tiled_attention
+
+    tile = tiled_attention.tile_for(meta.block_size)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = tiled_attention.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                          scale, tile)
+    for p in meta.prefills:
+        sl = slice(p.token_start, p.token_start + p.num_tokens)
+        out[sl] = tiled_attention.prefill(q[sl], k_cache, v_cache, p.block_ids, p.context_start, scale, tile)
+    return out
+
+
+def _triton_rows(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Every row through the paged decode kernel: a prefill chunk's row at position p is a decode of length p + 1
+    over its sequence's blocks. The kernel reduces each row over fixed 256-token partitions and merges them over
+    a width fixed by `max_seq_len`, so a row's result is the same in any batch."""
+    from splitserve.engine.kernels.triton_paged_attention import paged_decode_attention, parts_pad_for
+
+    tables, lens = [], []
+    if meta.num_decodes:
+        tables.append(meta.decode_block_tables)
+        lens.append(meta.decode_seq_lens)
+    for p in meta.prefills:
+        tables.append(p.block_ids.unsqueeze(0).expand(p.num_tokens, -1))
+        lens.append(torch.arange(p.context_start + 1, p.context_start + p.num_tokens + 1, device=q.device))
+    if len(tables) == 1:
+        table, seq_lens = tables[0], lens[0]
+    else:
+        width = max(t.shape[1] for t in tables)
+        table = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])
+        seq_lens = torch.cat(lens)
+    return paged_decode_attention(q, k_cache, v_cache, table, seq_lens, scale,
+                                  parts_pad=parts_pad_for(meta.max_seq_len, meta.block_size))
 
 
 def _triton_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

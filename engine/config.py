@@ -21,6 +21,7 @@ class ModelConfig:
     served_model_name: str | None = None
     load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (benchmarks)
     enforce_eager: bool = False  # CUDA: no decode graphs
+    batch_invariant: bool = False  # each row's math independent of the step's other rows (EngineSpec's docstring)
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -115,7 +116,7 @@ def engine_config(model: ModelSpec, engine: EngineSpec) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model.name, dtype=model.dtype, device=model.device, max_model_len=model.max_model_len,
                           served_model_name=model.served_model_name, load_format=model.load_format,
-                          enforce_eager=model.enforce_eager),
+                          enforce_eager=model.enforce_eager, batch_invariant=engine.batch_invariant),
         cache=CacheConfig(block_size=model.block_size, kv_cache_memory=engine.kv_cache_memory,
                           enable_prefix_caching=engine.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=engine.max_num_batched_tokens,

@@ -22,8 +22,9 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_caches, scratch_block: int, block_size: int, max_blocks: int,
-                 max_batch: int, device: torch.device) -> None:
+                 max_batch: int, device: torch.device, batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch = scratch_block
@@ -51,7 +52,8 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=self.slots[:b], block_size=self.block_size, num_decodes=b,
-                                 decode_block_tables=self.tables[:b], decode_seq_lens=self.lens[:b])
+                                 decode_block_tables=self.tables[:b], decode_seq_lens=self.lens[:b],
+                                 batch_invariant=self.batch_invariant, max_seq_len=self.tables.shape[1] * self.block_size)
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 

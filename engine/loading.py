@@ -34,15 +34,36 @@ def build_runner(config: EngineConfig, device: torch.device,
     max_model_len = mc.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {arch.max_position_embeddings} positions")
+    if mc.batch_invariant and device.type == "cuda":
+        cuda_batch_invariance()
     model = load_model(model_dir, device, dtype, max_model_len, dummy=mc.load_format == "dummy", parallel=parallel)
     runner = ModelRunner(model, arch, device, dtype, config.cache.block_size, config.seed,
                          cuda_graphs=not mc.enforce_eager, max_model_len=max_model_len,
-                         max_num_seqs=config.scheduler.max_num_seqs, parallel=parallel)
+                         max_num_seqs=config.scheduler.max_num_seqs, parallel=parallel,
+                         batch_invariant=mc.batch_invariant)
     num_blocks = _num_kv_blocks(config, runner, device, max_model_len)
     if parallel is not None and parallel.world_size > 1:
         num_blocks = parallel.agree_min(num_blocks)
     runner.init_kv_cache(num_blocks)
     return runner, num_blocks, model_dir
+
+
+def cuda_batch_invariance() -> None:
+    """cuBLAS computes each row of a matmul the same whatever the number of rows once it may not split the
+    reduction (split-K, chosen by shape, with a workspace): no workspace, no reduced-precision or split-K
+    reduction, cuBLASLt, no TF32 (vLLM's settings for Hopper and Blackwell). The environment variables act only
+    if no cuBLAS handle exists yet: this runs before the model is loaded."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
+    os.environ["CUBLASLT_WORKSPACE_SIZE"] = "1"
+    matmul = torch.backends.cuda.matmul
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = (False, False)
+        matmul.allow_fp16_reduced_precision_reduction = (False, False)
+    except (TypeError, ValueError):  # a torch without the split-K switch: the workspace above rules it out
+        matmul.allow_bf16_reduced_precision_reduction = False
+        matmul.allow_fp16_reduced_precision_reduction = False
+    matmul.allow_tf32 = False
+    torch.backends.cuda.preferred_blas_library(backend="cublaslt")
 
 
 def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, device: torch.device, max_model_len: int) -> int:

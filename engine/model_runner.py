@@ -27,8 +27,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class ModelRunner:
     def __init__(self, model: CausalLM, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
                  block_size: int, seed: int = 0, cuda_graphs: bool = True, max_model_len: int = 4096,
-                 max_num_seqs: int = 128, parallel: ParallelContext | None = None) -> None:
+                 max_num_seqs: int = 128, parallel: ParallelContext | None = None,
+                 batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.parallel = parallel if parallel is not None and parallel.world_size > 1 else None
         self.num_kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism
         self.arch = arch
@@ -39,7 +41,7 @@ class ModelRunner:
         if device.type == "cpu":
             from splitserve.engine.kernels.cpu_linear import pack_linears
 
-            pack_linears(model)
+            pack_linears(model, min_rows=2 if batch_invariant else 1)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self.max_model_len = max_model_len
@@ -64,7 +66,8 @@ class ModelRunner:
             from splitserve.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size,
-                                       cdiv(self.max_model_len, self.block_size), self.max_num_seqs, self.device)
+                                       cdiv(self.max_model_len, self.block_size), self.max_num_seqs, self.device,
+                                       self.batch_invariant)
             self.graphs.capture()
 
     def block_payload_shape(self) -> tuple[int, ...]:
@@ -180,7 +183,8 @@ class ModelRunner:
                                  prefills=[PrefillSeq(p.token_start, p.num_tokens, p.context_start,
                                                       torch.tensor(p.block_ids, dtype=torch.long).to(dev))
                                            for p in batch.prefills],
-                                 on_layer_written=on_layer_written)
+                                 on_layer_written=on_layer_written, batch_invariant=self.batch_invariant,
+                                 max_seq_len=self.max_model_len)
         if batch.num_decodes:
             tables = batch.decode_block_tables
             width = max(len(t) for t in tables)

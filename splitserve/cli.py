@@ -111,6 +111,7 @@ ENGINE_FLAGS = [
     flag("max-num-seqs", "prefill.engine.max_num_seqs", "decode.engine.max_num_seqs"),
     flag("max-num-batched-tokens", "prefill.engine.max_num_batched_tokens", "decode.engine.max_num_batched_tokens"),
     flag("threads", "prefill.engine.threads", "decode.engine.threads"),
+    flag("batch-invariant", "prefill.engine.batch_invariant", "decode.engine.batch_invariant"),
 ]
 
 
@@ -294,6 +295,7 @@ UP_FLAGS = [
     flag("redis-url", "redis.url", help="use this Redis instead of starting one (kv_aware routing, the KV pool)"),
     flag("routers", "router.replicas"),
     flag("kv-pool", "kv_pool.enabled"),
+    flag("batch-invariant", "prefill.engine.batch_invariant", "decode.engine.batch_invariant"),
     flag("slo-ttft", "slo.ttft_seconds"),
     flag("slo-itl", "slo.itl_seconds"),
     flag("autoscale-interval", "autoscaling.interval_seconds"),

@@ -24,7 +24,7 @@ from splitserve.vllm_engine.engine import (
     request_body,
 )
 from splitserve.vllm_engine.handover import TICKET, check_ticket, parse_receipt
-from splitserve.vllm_engine.server import VllmPorts, command, environment
+from splitserve.vllm_engine.server import VllmPorts, VllmStartError, command, environment
 
 BIN = Path(sys.executable).parent / "splitserve"
 PORTS = VllmPorts(8200, 5557, 5600)
@@ -63,6 +63,8 @@ def test_what_vllm_cannot_honour_is_one_line_naming_the_flag(args, message):
     ({"vllm": {"args": ["--ok", "bad\narg"]}}, "not a plain argument"),
     ({"decode": {"engine": {"dataParallelSize": 2}}}, "decode.engine.dataParallelSize: engine native runs one engine"),
     ({"engine": "vllm", "vllm": {"args": ["--data-parallel-size=2"]}}, "--data-parallel-size is set by splitserve"),
+    ({"engine": "vllm", "model": {"device": "cpu"}, "decode": {"engine": {"batchInvariant": True}}},
+     "decode.engine.batchInvariant: vLLM's batch-invariant mode runs on GPUs only"),
 ])
 def test_a_file_vllm_cannot_honour_is_one_line_naming_the_field(tmp_path, spec, message):
     path = tmp_path / "c.yaml"
@@ -115,6 +117,21 @@ def test_the_vllm_command_follows_the_model():
     gcmd = command(gpu, "decode", "/m", PORTS)
     assert gcmd[gcmd.index("--gpu-memory-utilization") + 1] == "0.8" and "--enforce-eager" not in gcmd
     assert environment(gpu, "decode", PORTS, "h")["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "VLLM_BATCH_INVARIANT" not in environment(gpu, "decode", PORTS, "h")
+
+
+def test_batch_invariance_reaches_vllm_on_a_gpu_and_stops_a_cpu_server_before_it_starts(monkeypatch):
+    from splitserve.vllm_engine import server
+
+    on = {"engine": {"batchInvariant": True}}
+    gpu = cluster(engine="vllm", model={"device": "cuda"}, prefill=on, decode=on).spec
+    assert environment(gpu, "prefill", PORTS, "h")["VLLM_BATCH_INVARIANT"] == "1"
+    auto = cluster(engine="vllm", decode=on).spec  # device auto: CPU or GPU is known on the worker's host only
+    monkeypatch.setattr(server, "is_cpu", lambda spec: True)
+    with pytest.raises(VllmStartError, match="decode.engine.batchInvariant: .* GPUs only"):
+        environment(auto, "decode", PORTS, "h")
+    monkeypatch.setattr(server, "is_cpu", lambda spec: False)
+    assert environment(auto, "decode", PORTS, "h")["VLLM_BATCH_INVARIANT"] == "1"
 
 
 def test_tickets_and_receipts_are_validated_off_the_wire():

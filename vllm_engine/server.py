@@ -163,6 +163,11 @@ def environment(spec: ClusterSpec, role: str, ports: VllmPorts, side_channel_hos
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(size / (1 << 30))))
     elif spec.model.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = spec.model.device.split(":", 1)[1]
+    if e.batch_invariant:
+        if is_cpu(spec):  # device auto on a host without a GPU (device cpu is refused by the configuration model)
+            raise VllmStartError(f"{role}.engine.batchInvariant: vLLM's batch-invariant mode runs on GPUs only, and "
+                                 f"this host has none; use engine native on CPU")
+        env["VLLM_BATCH_INVARIANT"] = "1"
     url = spec.redis.resolved_url()
     if spec.kv_pool.enabled and url and REDIS_URL_ENV not in os.environ:  # the pool connector's Redis
         env[REDIS_URL_ENV] = url

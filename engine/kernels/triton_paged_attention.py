@@ -99,12 +99,20 @@ def _paged_decode_merge(
              out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
+def parts_pad_for(max_seq_len: int, block_size: int) -> int:
+    """The merge width that covers every sequence up to `max_seq_len` tokens: a fixed width makes each row's
+    merge the same reduction whatever the batch's widest table (batch-invariant mode)."""
+    return max(16, triton.next_power_of_2(triton.cdiv(max(1, max_seq_len), PARTITION_BLOCKS * block_size)))
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           parts_pad: int | None = None) -> torch.Tensor:
     """q: [B, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] (int32/int64);
     seq_lens: [B] (tokens including the new one). Returns [B, H, D] in q's dtype.
 
-    The partition count follows the block table's width, so no host sync is needed (CUDA-graph safe).
+    The partition count follows the block table's width, so no host sync is needed (CUDA-graph safe). Each row's
+    partitions follow its own length; the merge's width follows the table's unless `parts_pad` fixes it.
     """
     b, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -124,6 +132,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _paged_decode_merge[(b, hkv)](
         m, l_, acc, seq_lens, out, out.stride(0), out.stride(1), max_parts,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, PART_TOKENS=part_tokens,
-        PARTS_PAD=max(16, triton.next_power_of_2(max_parts)),
+        PARTS_PAD=max(parts_pad or 16, triton.next_power_of_2(max_parts)),
     )
     return out

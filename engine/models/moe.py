@@ -22,6 +22,10 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         # Experts [expert_start, expert_start + num_local) live here; expert parallelism narrows this range.
         self.expert_start = 0
+        # CPU: each local expert's (w13, w2) pre-packed for oneDNN, and the fewest rows a matmul is given
+        # (kernels.cpu_linear.pack_linears sets both)
+        self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.min_rows = 1
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids and their weights per token: ([T, k] long, [T, k] float32)."""
@@ -54,8 +58,16 @@ class SparseMoE(nn.Module):
             if 0 <= local < self.w13.shape[0]:
                 idx = token_of[pos : pos + n]
                 w = weights.view(-1)[order[pos : pos + n]]
-                gate, up = F.linear(x[idx], self.w13[local]).split(self.intermediate, dim=-1)
-                y = F.linear(F.silu(gate) * up, self.w2[local])
+                gate, up = self._expert_linear(x[idx], local, 0).split(self.intermediate, dim=-1)
+                y = self._expert_linear(F.silu(gate) * up, local, 1)
                 out.index_add_(0, idx, y.float() * w[:, None])
             pos += n
         return out.to(x.dtype)
+
+    def _expert_linear(self, x: torch.Tensor, local: int, which: int) -> torch.Tensor:
+        """x @ expert `local`'s w13 (which 0) or w2 (which 1), transposed."""
+        if self.packed_experts is not None:
+            from splitserve.engine.kernels.cpu_linear import packed_matmul
+
+            return packed_matmul(x, self.packed_experts[local][which], min_rows=self.min_rows)
+        return F.linear(x, (self.w13, self.w2)[which][local])

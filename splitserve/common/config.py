@@ -141,6 +141,12 @@ class EngineSpec(Spec):
     """CPU threads for the model's math (0: the library's default)."""
     seed: int = 0
     """Seed of requests sampled without their own seed."""
+    batch_invariant: bool = False
+    """Compute each token the same whatever else is in its engine step and wherever its prompt was computed: a
+    seeded or greedy request then gives the same tokens colocated or disaggregated, after a prefix-cache hit, a
+    KV pool load or a move, alone or in a batch (same hardware, dtype and settings). Native engine: attention
+    over fixed KV tiles, a lone matmul row computed as two (docs/engines.md gives the cost). Engine vllm:
+    vLLM's VLLM_BATCH_INVARIANT, on a GPU only."""
     data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
     """engine vllm: data-parallel ranks in each worker's vLLM server, each with model.tensorParallelSize GPUs
     (MoE with model.expertParallel: attention data-parallel, experts spread over every GPU). Native: 1 (more
@@ -568,6 +574,9 @@ class ClusterSpec(Spec):
             if self.role(r).engine.threads:
                 raise ValueError(f"{r}.engine.threads: engine vllm picks its own CPU threads (VLLM_CPU_OMP_THREADS_BIND "
                                  f"in the worker's environment); leave threads at 0")
+            if self.role(r).engine.batch_invariant and self.model.device == "cpu":
+                raise ValueError(f"{r}.engine.batchInvariant: vLLM's batch-invariant mode runs on GPUs only (on CPU "
+                                 f"its overrides are Triton kernels); use engine native on CPU")
 
     def gpus_per_worker(self, name: str) -> int:
         """GPUs one worker of role `name` uses: tensor-parallel size times its data-parallel ranks."""
