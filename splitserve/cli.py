@@ -109,6 +109,10 @@ ENGINE_FLAGS = [
     flag("kv-cache-memory", "prefill.engine.kv_cache_memory", "decode.engine.kv_cache_memory"),
     flag("max-num-seqs", "prefill.engine.max_num_seqs", "decode.engine.max_num_seqs"),
     flag("max-num-batched-tokens", "prefill.engine.max_num_batched_tokens", "decode.engine.max_num_batched_tokens"),
+    flag("long-prefill-token-threshold", "prefill.engine.long_prefill_token_threshold",
+         "decode.engine.long_prefill_token_threshold"),
+    flag("max-prefill-tokens-while-decoding", "prefill.engine.max_prefill_tokens_while_decoding",
+         "decode.engine.max_prefill_tokens_while_decoding"),
     flag("threads", "prefill.engine.threads", "decode.engine.threads"),
 ]
 

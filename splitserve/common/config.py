@@ -103,7 +103,7 @@ VLLM_OWNED_FLAGS = frozenset({
     "--enforce-eager",
     "--load-format", "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching",
     "--no-enable-prefix-caching", "--scheduling-policy", "--seed", "--kv-transfer-config", "--kv-events-config",
-    "--kv-cache-memory-bytes", "--kv-cache-memory", "--api-key",
+    "--kv-cache-memory-bytes", "--kv-cache-memory", "--api-key", "--long-prefill-token-threshold",
 })
 
 
@@ -133,6 +133,13 @@ class EngineSpec(Spec):
     """Requests in one batch at most."""
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 2048
     """Tokens in one step at most (chunked prefill splits longer prompts)."""
+    long_prefill_token_threshold: Count = 0
+    """Engine native: a prompt's chunk in one step at most, in tokens (vLLM's name); 0: maxNumBatchedTokens."""
+    max_prefill_tokens_while_decoding: Count = 0
+    """Engine native: prompt tokens in one step at most while the step also decodes (0: maxNumBatchedTokens).
+    Decodes go first in every step and prompt chunks take what is left; this cap bounds the step's time, which
+    is every decoding stream's inter-token latency: about (slo.itlSeconds - a decode step's time) x the
+    worker's prefill tokens/s (e.g. 1024 for an 8B model on an H200 with a 50 ms objective)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of prompt prefixes already computed on this worker."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
@@ -561,6 +568,9 @@ class ClusterSpec(Spec):
         elif self.model.device == "cpu" and self.model.block_size != 32:
             raise ValueError(f"model.blockSize: vLLM on CPU needs 32-token KV blocks (got {self.model.block_size})")
         for r in roles:
+            if kinds[r] == "vllm" and self.role(r).engine.max_prefill_tokens_while_decoding:
+                raise ValueError(f"{r}.engine.maxPrefillTokensWhileDecoding: engine native only (vLLM chunks prompts "
+                                 f"under maxNumBatchedTokens and longPrefillTokenThreshold); leave it at 0")
             if self.role(r).engine.threads:
                 raise ValueError(f"{r}.engine.threads: engine vllm picks its own CPU threads (VLLM_CPU_OMP_THREADS_BIND "
                                  f"in the worker's environment); leave threads at 0")
