@@ -101,12 +101,14 @@ class Scheduler:
         """Decode role: hold blocks for a prompt whose KV will arrive from outside.
 
         Returns (block ids, number of prompt tokens already held locally by the prefix cache), or None
-        when there is no room now.
+        when there is no room now. Room means a block to spare for each running request beside the prompt's:
+        a reservation never takes the blocks the streams decoding here are about to grow into (which would
+        preempt them, and recompute their whole context here).
         """
         self._check_new(request)
         hits, num_cached = self.kv.get_computed_blocks(request)
         need = request.num_prompt_tokens - num_cached
-        if self.kv.allocate_slots(request, need, hits) is None:
+        if self.kv.allocate_slots(request, need, hits, keep_free=len(self.running)) is None:
             self.kv.reset_hashes(request.request_id)
             return None
         request.num_cached_tokens = num_cached

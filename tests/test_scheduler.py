@@ -240,3 +240,12 @@ def test_step_budget_settings_are_checked():
         SchedulerConfig(max_prefill_tokens_while_decoding=-1)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=-3)
+
+
+def test_a_reservation_leaves_a_block_for_each_decoding_stream_to_grow_into():
+    s = make(num_blocks=10, budget=64, block_size=4, max_len=40)
+    decoding(s, ["a", "b"], count=1)  # 3-token prompts + 1 token: one block each, 8 free
+    assert s.pool.num_free_blocks == 8
+    assert s.reserve_remote(req("big", 28, first=500)) is None  # 7 blocks would leave 1 for 2 streams
+    blocks, _ = s.reserve_remote(req("fits", 24, first=600))  # 6 blocks leave 2
+    assert len(blocks) == 6 and s.pool.num_free_blocks == 2

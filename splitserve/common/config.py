@@ -206,6 +206,11 @@ class PrefillSpec(RoleSpec):
 class DecodeSpec(RoleSpec):
     disagg_threshold: Annotated[int, Field(ge=1)] = 512
     """Uncached prompt tokens below which a decode worker prefills locally."""
+    reserve_wait_seconds: Annotated[float, Field(ge=0)] = 1.0
+    """How long a decode worker waits for KV room for a remote prefill's prompt (retrying as blocks free) before
+    it sends the request back to the gateway as busy (the gateway tries another decode worker, or this one after
+    a pause, within router.queueTimeoutSeconds). A decode worker never prefills a long prompt itself for want
+    of blocks: that would stall every stream it decodes."""
 
 
 class RatioSpec(Spec):
