@@ -69,7 +69,8 @@ class Gateway:
             spec.router.policy, source=cluster, block_size=model.block_size, threshold=spec.decode.disagg_threshold,
             overlap_weight=kv.overlap_weight, decode_weight=kv.decode_weight, pool_credit=kv.pool_credit,
             session_slack=kv.session_slack_blocks, spill_prefill_tokens=spec.router.spill.prefill_backlog_tokens,
-            spill_local_tokens=spec.router.spill.local_backlog_tokens)
+            spill_local_tokens=spec.router.spill.local_backlog_tokens, spill_local_share=spec.router.spill.local_share,
+            spill_handover_tokens=spec.router.spill.handover_tokens)
         for reason in self.policy.reasons:
             m.DECISIONS.labels(self.policy.name, reason)
         m.PREFIX_HIT_TOKENS.inc(0)

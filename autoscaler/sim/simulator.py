@@ -38,6 +38,8 @@ class SimSettings:
     disagg_threshold: int = 512  # prompts shorter than this are prefilled by the decode worker
     spill_prefill_tokens: int = SpillSpec().prefill_backlog_tokens  # router.spill (0: never)
     spill_local_tokens: int = SpillSpec().local_backlog_tokens
+    spill_local_share: float = SpillSpec().local_share
+    spill_handover_tokens: int = SpillSpec().handover_tokens
     routing: str = "least_loaded"  # router.policy
     block_size: int = 16
     gpus_per_replica: int = 1  # tensorParallelSize
@@ -100,7 +102,9 @@ class Simulation:
         # the gateway's call (router/gateway.py); no KV index here, so kv_aware routes by load
         self.policy = make_policy(settings.routing, source=None, block_size=settings.block_size,
                                   threshold=settings.disagg_threshold, spill_prefill_tokens=settings.spill_prefill_tokens,
-                                  spill_local_tokens=settings.spill_local_tokens)
+                                  spill_local_tokens=settings.spill_local_tokens,
+                                  spill_local_share=settings.spill_local_share,
+                                  spill_handover_tokens=settings.spill_handover_tokens)
         self.workers: list[SimWorker] = []  # every worker ever started
         self.live: dict[str, list[SimWorker]] = {"prefill": [], "decode": []}
         self.by_name: dict[str, SimWorker] = {}

@@ -283,15 +283,24 @@ class KVAwareSpec(Spec):
 
 class SpillSpec(Spec):
     """When the gateway lets a decode worker prefill a long prompt itself instead of queueing it at a busy prefill
-    worker: a prefill burst is absorbed by decode's spare compute while prefill replicas load (docs/routing.md).
-    The defaults are about 0.4 s and 0.2 s of an 8B model's prefill on an H200; scale them with the hardware."""
+    worker (conditional disaggregation, docs/routing.md): when its first token comes no later there, by the
+    gateways' accounting of both pools, and the decode worker's own prompts stay few. A prefill burst is
+    absorbed by decode's spare compute while prefill replicas load. The token defaults are about 0.1 s, 0.2 s
+    and 25 ms of an 8B model's prefill on an H200; scale them with the hardware."""
 
-    prefill_backlog_tokens: Count = 16384
-    """A long prompt is prefilled by its decode worker when the prefill worker it would go to has at least this
-    many prompt tokens waiting (0: never)."""
+    prefill_backlog_tokens: Count = 4096
+    """A long prompt may be prefilled by its decode worker only while the prefill worker it would go to has at least
+    this many prompt tokens waiting (0: never)."""
     local_backlog_tokens: Count = 8192
     """... and the decode worker would then have at most this many prompt tokens of its own to prefill, this
     prompt's included (its decode steps slow down while it prefills)."""
+    local_share: Annotated[float, Field(ge=0, le=1)] = 0.5
+    """... and its first token comes no later there: a decode worker's prefill speed beside its decodes, as a share
+    of a prefill worker's (engine.maxPrefillTokensWhileDecoding against the prefill workers' maxNumBatchedTokens,
+    roughly); 0 leaves this test out."""
+    handover_tokens: Count = 1024
+    """What handing a prompt's KV over adds to its first token (the transfer's tail, the extra hop), in prompt
+    tokens of prefill time: it counts against the prefill worker in that comparison."""
 
 
 class RouterSpec(Spec):
