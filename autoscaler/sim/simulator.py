@@ -272,8 +272,8 @@ class Simulation:
     def _end(self, req: SimRequest, now: float, status: Status) -> None:
         for w in (req.decode_worker, req.prefill_worker):
             if isinstance(w, SimWorker) and req in w.inflight:
-                if w.state != WorkerState.GONE and status == Status.FAILED and req in w.decoding:
-                    w.decoding.remove(req)  # only a worker being killed loses decoding requests
+                if status == Status.FAILED and req in w.decoding:
+                    w.drop_decoding(req, now)  # only a worker being killed loses decoding requests
                 w.release(req)
                 w.sync_load()
         charge = self._charges.pop(req.rid, None)
