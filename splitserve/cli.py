@@ -251,6 +251,7 @@ ROUTER_FLAGS = [
     flag("port", "router.port"),
     flag("routing", "router.policy"),
     flag("max-inflight", "router.max_inflight"),
+    flag("spill-backlog", "router.spill.prefill_backlog_tokens"),
     flag("redis-url", "redis.url"),
 ]
 
