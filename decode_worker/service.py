@@ -161,10 +161,12 @@ class DecodeService:
         except BaseException:
             settle(call)
             raise
-        if reservation.refused == "no_free_blocks":  # wait for room (the early call goes: its ticket may be long)
-            settle(call)
-            call = ticket = None
-            reservation = await reserve_when_room(reserve, self._used_blocks, self.reserve_wait)
+        if reservation.refused == "no_free_blocks":  # wait for room; an early call computes meanwhile
+            try:
+                reservation = await reserve_when_room(reserve, self._used_blocks, self.reserve_wait)
+            except BaseException:  # NoRoom (busy), or the caller left
+                settle(call)
+                raise
         timeline.reserved = time.monotonic()
         if reservation.ticket is None:
             settle(call)  # the prefill worker stops computing it (its call ends without a ticket)

@@ -195,6 +195,7 @@ class Gateway:
             raise APIError(429, "every decode worker is out of KV room; retry later", code="workers_busy",
                            headers={"Retry-After": "5"})
         m.BUSY_RETRIES.inc()
+        run.bounces += 1
         run.tried.discard(run.worker)
         run.busy_until[run.worker] = now + BUSY_PAUSE_S
 
@@ -227,7 +228,9 @@ class Gateway:
         params = sp if not n else replace(sp, max_tokens=sp.max_tokens - n, min_tokens=max(0, sp.min_tokens - n),
                                           output_offset=sp.output_offset + n)
         prefill = decision.prefill
-        return GenerateCall(rid, gen.prompt_token_ids, params, prefill.name if prefill else "", gen.priority,
+        # after a bounce the call has an id of its own: the prefill worker may not have let go of the last one yet
+        call_id = f"{rid}~{run.bounces}" if run.bounces else rid
+        return GenerateCall(call_id, gen.prompt_token_ids, params, prefill.name if prefill else "", gen.priority,
                             tuple(run.produced))
 
     def _charge(self, decision: Decision, run: _Run) -> Charge:
@@ -353,6 +356,7 @@ class _Run:
     worker: str = ""  # the latest one's name
     busy_until: dict[str, float] = field(default_factory=dict)  # decode workers that said busy: tried again after
     busy_since: float = 0.0  # time.monotonic() of its first bounce (0: none)
+    bounces: int = 0  # times a decode worker sent it back busy
     moves: int = 0  # moves after the first token
     moving: _Moving | None = None  # on its way from a failed worker to another one
     last_token_at: float = field(default_factory=time.monotonic)

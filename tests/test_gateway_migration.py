@@ -201,6 +201,8 @@ def test_the_only_decode_worker_busy_is_tried_again_until_it_has_room():
     text, finish, _, _ = asyncio.run(serve([only], {}))
     assert (text, finish) == (TEXT, "length") and len(only.calls) == 4
     assert busy_retries() == before + 3
+    # each try after a bounce has an id of its own (the prefill worker may still hold the last one's)
+    assert [c.request_id for c in only.calls] == ["cmpl-1", "cmpl-1~1", "cmpl-1~2", "cmpl-1~3"]
 
 
 def test_workers_busy_past_the_queue_timeout_get_429():
