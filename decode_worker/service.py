@@ -163,7 +163,8 @@ class DecodeService:
             raise
         if reservation.refused == "no_free_blocks":  # wait for room; an early call computes meanwhile
             try:
-                reservation = await reserve_when_room(reserve, self._used_blocks, self.reserve_wait)
+                reservation = await reserve_when_room(reserve, self._free_blocks, self._blocks_for(prompt),
+                                                      self.reserve_wait)
             except BaseException:  # NoRoom (busy), or the caller left
                 settle(call)
                 raise
@@ -215,9 +216,16 @@ class DecodeService:
                               num_output_tokens=1)
         return self._first_then(first, handover.admit(rid, reply.first_token_id, lp)), True
 
-    def _used_blocks(self) -> int:
-        """KV blocks in use as of the engine's last step (its published counters: never waits for a step)."""
-        return self.engine.stats().get("kv_blocks_used", 0)
+    def _free_blocks(self) -> int:
+        """KV blocks free as of the engine's last step (its published counters: never waits for a step)."""
+        s = self.engine.stats()
+        return s.get("kv_blocks_total", 0) - s.get("kv_blocks_used", 0)
+
+    def _blocks_for(self, prompt: Sequence[int]) -> int:
+        """Free blocks a reservation of `prompt` needs, by the published counts: the prompt's, and one for each
+        running request to grow into (the engine's own rule; a prefix-cache hit needs fewer)."""
+        bs = self.engine.facts.block_size
+        return -(-len(prompt) // bs) + self.engine.stats().get("num_running", 0)
 
     async def _first_then(self, first: RequestOutput,
                           stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
