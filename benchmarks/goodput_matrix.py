@@ -280,7 +280,8 @@ def main() -> None:
                     help="engine native, workers that decode: prompt tokens in a step that decodes (0: off)")
     ap.add_argument("--disagg-threshold", type=int, default=512)
     ap.add_argument("--spill-backlog", type=int, default=None,
-                    help="the gateway's router.spill.prefillBacklogTokens (default: the config model's; 0: never)")
+                    help="the gateway's router.spill.prefillBacklogTokens (default: the config model's, 16384; "
+                         "0: never; e.g. 4096 lets the decode GPUs take prompts a busy prefill worker would queue)")
     ap.add_argument("--kv-transport", default="auto")
     ap.add_argument("--trace-dir", type=Path, default=TRACES,
                     help="folder of the Azure trace CSVs (a machine without ../shared needs them carried)")

@@ -285,10 +285,10 @@ class SpillSpec(Spec):
     """When the gateway lets a decode worker prefill a long prompt itself instead of queueing it at a busy prefill
     worker (conditional disaggregation, docs/routing.md): when its first token comes no later there, by the
     gateways' accounting of both pools, and the decode worker's own prompts stay few. A prefill burst is
-    absorbed by decode's spare compute while prefill replicas load. The token defaults are about 0.1 s, 0.2 s
+    absorbed by decode's spare compute while prefill replicas load. The token defaults are about 0.4 s, 0.2 s
     and 25 ms of an 8B model's prefill on an H200; scale them with the hardware."""
 
-    prefill_backlog_tokens: Count = 4096
+    prefill_backlog_tokens: Count = 16384
     """A long prompt may be prefilled by its decode worker only while the prefill worker it would go to has at least
     this many prompt tokens waiting (0: never)."""
     local_backlog_tokens: Count = 8192
