@@ -4,8 +4,9 @@ Progress is counters: each step gives every request `num_tokens - num_computed_t
 one token budget, so chunked prefill, prefix hits, imported (remote) KV and decode are the same arithmetic.
 Running decodes go first, then running prompts' next chunks; then waiting ones are admitted while blocks,
 budget and seats last (`_StepBudget`: while a step carries decodes, its prompt tokens are capped, so a long
-prompt never stalls the streams decoding beside it). When blocks run out, the lowest-priority running request is preempted by recompute (its blocks freed, its counters
-reset; its generated tokens are kept and recomputed as part of its prompt).
+prompt never stalls the streams decoding beside it). When blocks run out, the lowest-priority running request
+is preempted by recompute (its blocks freed, its counters reset; its generated tokens are kept and recomputed
+as part of its prompt).
 """
 
 from __future__ import annotations
