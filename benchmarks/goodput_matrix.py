@@ -263,7 +263,7 @@ def main() -> None:
                     help="seconds of arrivals of the unmeasured run of each trace on each cluster (0: none)")
     ap.add_argument("--request-timeout", type=float, default=60.0,
                     help="a request slower than this counts as failed (bounds a run that falls far behind)")
-    ap.add_argument("--budget-s", type=float, default=570.0,
+    ap.add_argument("--budget-s", type=float, default=500.0,
                     help="no run starts that would end past this many seconds from the start")
     ap.add_argument("--slo-ttft", type=float, default=2.0)
     ap.add_argument("--slo-itl", type=float, default=0.05, help="a request's own p99 inter-token latency, s")
