@@ -401,7 +401,7 @@ class PlacedCluster(Cluster):
     device, max_model_len, kv_transport, disagg_threshold). `procs` lists the workers in order, then the gateway."""
 
     def __init__(self, args: Any, model: Path, mode: str, workers: list[tuple[str, list[int], list[str]]],
-                 log_dir: Path, name: str, timeout: float = PLACED_READY_S) -> None:
+                 log_dir: Path, name: str, timeout: float = PLACED_READY_S, router_args: tuple[str, ...] = ()) -> None:
         from splitserve.common.proc import free_ports
 
         self._begin(name, log_dir, None, stop_s=30.0)
@@ -425,7 +425,8 @@ class PlacedCluster(Cluster):
                 {"name": f"{role}-{i}", "grpc": f"127.0.0.1:{port}", "metrics": f"http://127.0.0.1:{mport}",
                  "pid": proc.pid})
         self.spawn("router", [exe, "router", *common, "--mode", mode, "--port", str(self.port), "--decode",
-                              ",".join(decode), "--prefill", ",".join(prefill), "--max-inflight", "1024"], CHILD_ENV)
+                              ",".join(decode), "--prefill", ",".join(prefill), "--max-inflight", "1024",
+                              *router_args], CHILD_ENV)
         self._wait_ready(timeout)
         print(f"[{self.name}] ready in {self.ready_s:.0f} s", file=sys.stderr, flush=True)
 
@@ -607,19 +608,20 @@ def _time_scale(trace_dir: Path, trace: str, n: int, rate: float) -> float:
 
 
 def replay_at_rate(args: Any, url: str, trace: str, rate: float, seed: int = 0,
-                   duration: float | None = None) -> dict:
+                   duration: float | None = None, request_timeout: float = 300.0) -> dict:
     """An Azure trace (TRACE_FILES) replayed at `rate` requests/s for args.duration seconds (or `duration`), with
     the GPU serving benchmarks' options (shape, trace_dir, max_input_len, max_output_len, slo_ttft, slo_itl).
     `seed` picks the prompts' token ids: each run on a cluster takes its own, so a repeated rate meets a cold
-    prefix cache as the first did (every mode runs the same seeds in the same order)."""
+    prefix cache as the first did (every mode runs the same seeds in the same order). A request that takes longer
+    than `request_timeout` seconds counts as failed."""
     seconds = args.duration if duration is None else duration
     n = max(8, int(rate * seconds))
     res = run_bench(url, "--trace", str(args.trace_dir / TRACE_FILES[trace]), "--num-requests", str(n),
                     "--time-scale", f"{_time_scale(args.trace_dir, trace, n, rate):.6f}",
                     "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
                     "--slo-ttft", str(args.slo_ttft), "--slo-itl", str(args.slo_itl), "--vocab-low", "1",
-                    "--vocab-high", str(SHAPES[args.shape]["vocab_size"]), "--seed", str(seed), "--timeout", "300",
-                    model=args.shape, timeout=seconds * 4 + 600)
+                    "--vocab-high", str(SHAPES[args.shape]["vocab_size"]), "--seed", str(seed), "--timeout", f"{request_timeout:g}",
+                    model=args.shape, timeout=seconds * 4 + 2 * request_timeout)
     res["offered_rps"] = rate
     return res
 

@@ -16,6 +16,8 @@ from splitserve.decode_worker.metrics import (
     HANDOVER_STAGES,
     LOCAL_PREFILL,
     LOCAL_PREFILL_REASONS,
+    RESERVE_WAIT_OUTCOMES,
+    RESERVE_WAITS,
 )
 from splitserve.decode_worker.service import DecodeService
 from splitserve.engine.async_engine import AsyncEngine
@@ -54,7 +56,8 @@ def _service(spec: ClusterSpec, engine: ServingEngine, handover: DecodeHandover 
              pool: KVPool | None = None) -> DecodeService:
     """The service over its prefill peers in membership, each called over gRPC; it closes the pool."""
     return DecodeService(engine, handover, ctx.membership, GrpcWorkerClient, spec.decode.disagg_threshold,
-                         spec.kv_transfer.timeout_seconds, [] if pool is None else [pool])
+                         spec.kv_transfer.timeout_seconds, [] if pool is None else [pool],
+                         spec.decode.reserve_wait_seconds)
 
 
 def _label_series(with_handover: bool) -> None:
@@ -63,6 +66,8 @@ def _label_series(with_handover: bool) -> None:
     if with_handover:  # only a decode worker hands over (a colocated one lists none)
         for stage in HANDOVER_STAGES:
             HANDOVER_STAGE.labels(stage)
+        for outcome in RESERVE_WAIT_OUTCOMES:
+            RESERVE_WAITS.labels(outcome)
 
 
 def _serving(engine: AsyncEngine, pool: KVPool | None) -> ServingEngine:

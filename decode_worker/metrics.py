@@ -11,7 +11,13 @@ from splitserve.common.stages import STAGE_BUCKETS, observe_stages
 
 LOCAL_PREFILL = Counter("splitserve_local_prefill", "Prompts the decode worker prefilled itself", ["reason"])
 REMOTE_PREFILL = Counter("splitserve_remote_prefill", "Prompts whose KV came from a prefill worker", ["outcome"])
+# no_free_blocks: kept for dashboards; a decode worker now waits for room, or sends the request back (RESERVE_WAITS)
 LOCAL_PREFILL_REASONS = ("short_prompt", "fallback", "no_prefill_worker", "no_free_blocks", "unknown_prefill_worker")
+RESERVE_WAITS = Counter("splitserve_reserve_waits",
+                        "Remote prefills whose KV reservation found no room at first: reserved after waiting for blocks "
+                        "to free (reserved), or sent back to the gateway as busy after decode.reserveWaitSeconds (busy)",
+                        ["outcome"])
+RESERVE_WAIT_OUTCOMES = ("reserved", "busy")
 
 HANDOVER_STAGE = Histogram(
     "splitserve_handover_stage_seconds",

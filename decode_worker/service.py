@@ -5,7 +5,9 @@ ticket follows it: the prefill worker computes while this worker reserves.
 
 Short prompts (or no prefill worker) are prefilled locally. If the prefill worker fails, stalls past the
 transfer deadline or dies, the request is prefilled locally instead and still succeeds; the handover frees
-the reservation once the prefill call has ended and no write of the transfer can land any more.
+the reservation once the prefill call has ended and no write of the transfer can land any more. A long prompt
+that finds no KV room here is never prefilled locally: the worker waits for blocks to free, up to
+`decode.reserveWaitSeconds`, then sends it back to the gateway as busy (`room`).
 
 Each remote prefill that succeeds leaves a timeline of its handover (`HandoverTimeline`): a time.monotonic()
 mark at the end of each stage, observed in `splitserve_handover_stage_seconds{stage}`.
@@ -35,6 +37,7 @@ from splitserve.common.worker_messages import (
 )
 from splitserve.common.worker_metrics import PREFIX_HIT_TOKENS, PROMPT_TOKENS, WORKER_REQUESTS
 from splitserve.decode_worker.metrics import LOCAL_PREFILL, REMOTE_PREFILL, HandoverTimeline
+from splitserve.decode_worker.room import NoRoom, reserve_when_room
 from splitserve.engine.interface import DecodeHandover, HandoverFailed, ServingEngine
 from splitserve.engine.outputs import RequestOutput
 
@@ -54,13 +57,14 @@ class DecodeService:
 
     def __init__(self, engine: ServingEngine, handover: DecodeHandover | None, membership: Membership,
                  connect: Callable[[str], WorkerClient], threshold: int = 512, transfer_timeout: float = 30.0,
-                 resources: Sequence[Closeable] = ()) -> None:
+                 resources: Sequence[Closeable] = (), reserve_wait: float = 1.0) -> None:
         self.role = "decode" if handover is not None else "both"
         self.engine = engine
         self.handover = handover
         self.membership = membership
         self.threshold = threshold
         self.transfer_timeout = transfer_timeout
+        self.reserve_wait = reserve_wait  # s a remote prefill may wait for KV room here before it goes back as busy
         self.resources = list(resources)
         self.connect = connect
         self._peers: dict[str, WorkerClient] = {}  # endpoint -> client
@@ -106,7 +110,13 @@ class DecodeService:
         timeline: HandoverTimeline | None = None  # a remote prefill that succeeded, until its first decode
         if peer is not None and len(prompt) >= self.threshold:
             timeline = HandoverTimeline(received)
-            stream, remote = await self._remote(rid, prompt, params, call.priority, peer, timeline)
+            try:
+                stream, remote = await self._remote(rid, prompt, params, call.priority, peer, timeline)
+            except NoRoom as e:  # back to the gateway, which tries another decode worker or this one later
+                WORKER_REQUESTS.labels("generate", "busy").inc()
+                yield GenerateChunk(rid, [], finished=True, finish_reason="error", error=str(e),
+                                    retry=RetryReason.BUSY)
+                return
             if not remote:
                 timeline = None
         elif peer is not None or (self._has_peers() and not call.prefill_worker):
@@ -141,12 +151,23 @@ class DecodeService:
             ticket = asyncio.get_running_loop().create_future()
             call = asyncio.ensure_future(client.prefill(PrefillCall(rid, prompt, params, b""),
                                                         timeout_s=self.transfer_timeout, ticket=ticket))
+
+        def reserve():
+            return handover.reserve(rid, prompt, params, priority, min_remote_tokens=self.threshold,
+                                    timeout_s=self.transfer_timeout)
+
         try:
-            reservation = await handover.reserve(rid, prompt, params, priority, min_remote_tokens=self.threshold,
-                                                 timeout_s=self.transfer_timeout)
+            reservation = await reserve()
         except BaseException:
             settle(call)
             raise
+        if reservation.refused == "no_free_blocks":  # wait for room; an early call computes meanwhile
+            try:
+                reservation = await reserve_when_room(reserve, self._free_blocks, self._blocks_for(prompt),
+                                                      self.reserve_wait)
+            except BaseException:  # NoRoom (busy), or the caller left
+                settle(call)
+                raise
         timeline.reserved = time.monotonic()
         if reservation.ticket is None:
             settle(call)  # the prefill worker stops computing it (its call ends without a ticket)
@@ -194,6 +215,17 @@ class DecodeService:
                               num_prompt_tokens=len(prompt), num_cached_tokens=reservation.num_cached_tokens,
                               num_output_tokens=1)
         return self._first_then(first, handover.admit(rid, reply.first_token_id, lp)), True
+
+    def _free_blocks(self) -> int:
+        """KV blocks free as of the engine's last step (its published counters: never waits for a step)."""
+        s = self.engine.stats()
+        return s.get("kv_blocks_total", 0) - s.get("kv_blocks_used", 0)
+
+    def _blocks_for(self, prompt: Sequence[int]) -> int:
+        """Free blocks a reservation of `prompt` needs, by the published counts: the prompt's, and one for each
+        running request to grow into (the engine's own rule; a prefix-cache hit needs fewer)."""
+        bs = self.engine.facts.block_size
+        return -(-len(prompt) // bs) + self.engine.stats().get("num_running", 0)
 
     async def _first_then(self, first: RequestOutput,
                           stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

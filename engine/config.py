@@ -51,10 +51,18 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
+    # a prompt's chunk in one step at most (vLLM's name); 0: the step's budget
+    long_prefill_token_threshold: int = 0
+    # prompt tokens in one step at most while the step carries decodes (bounds its time, the streams' inter-token
+    # latency); 0: the step's budget
+    max_prefill_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens!r}")
+        for name in ("long_prefill_token_threshold", "max_prefill_tokens_while_decoding"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         if self.policy not in ("fcfs", "priority"):
@@ -120,7 +128,9 @@ def engine_config(model: ModelSpec, engine: EngineSpec) -> EngineConfig:
         cache=CacheConfig(block_size=model.block_size, kv_cache_memory=engine.kv_cache_memory,
                           enable_prefix_caching=engine.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=engine.max_num_batched_tokens,
-                                  max_num_seqs=engine.max_num_seqs, policy=engine.scheduling_policy),
+                                  max_num_seqs=engine.max_num_seqs, policy=engine.scheduling_policy,
+                                  long_prefill_token_threshold=engine.long_prefill_token_threshold,
+                                  max_prefill_tokens_while_decoding=engine.max_prefill_tokens_while_decoding),
         parallel=ParallelConfig(model.tensor_parallel_size, model.expert_parallel),
         seed=engine.seed,
     )

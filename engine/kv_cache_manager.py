@@ -45,8 +45,11 @@ class KVCacheManager:
         hits = self.pool.lookup(hashes[:max_blocks])
         return hits, len(hits) * self.block_size
 
-    def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()) -> bool:
-        return self._num_blocks_needed(request, num_new_tokens, new_computed_blocks) <= self.pool.num_free_blocks
+    def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
+                     keep_free: int = 0) -> bool:
+        """Whether the pool has room for `num_new_tokens` more tokens and `keep_free` blocks beside them."""
+        need = self._num_blocks_needed(request, num_new_tokens, new_computed_blocks)
+        return need + keep_free <= self.pool.num_free_blocks
 
     def _num_blocks_needed(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int]) -> int:
         have = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
@@ -56,10 +59,11 @@ class KVCacheManager:
         return needed + evictable_hits
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (), keep_free: int = 0
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens; None when the pool cannot (nothing changes then)."""
-        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+        """Make room for `num_new_tokens` more tokens, leaving at least `keep_free` blocks free; None when the
+        pool cannot (nothing changes then)."""
+        if not self.can_allocate(request, num_new_tokens, new_computed_blocks, keep_free):
             return None
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:

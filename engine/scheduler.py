@@ -2,9 +2,11 @@
 
 Progress is counters: each step gives every request `num_tokens - num_computed_tokens` more tokens under
 one token budget, so chunked prefill, prefix hits, imported (remote) KV and decode are the same arithmetic.
-Running requests go first; then waiting ones are admitted while blocks, budget and seats last. When blocks
-run out, the lowest-priority running request is preempted by recompute (its blocks freed, its counters
-reset; its generated tokens are kept and recomputed as part of its prompt).
+Running decodes go first, then running prompts' next chunks; then waiting ones are admitted while blocks,
+budget and seats last (`_StepBudget`: while a step carries decodes, its prompt tokens are capped, so a long
+prompt never stalls the streams decoding beside it). When blocks run out, the lowest-priority running request
+is preempted by recompute (its blocks freed, its counters reset; its generated tokens are kept and recomputed
+as part of its prompt).
 """
 
 from __future__ import annotations
@@ -100,12 +102,14 @@ class Scheduler:
         """Decode role: hold blocks for a prompt whose KV will arrive from outside.
 
         Returns (block ids, number of prompt tokens already held locally by the prefix cache), or None
-        when there is no room now.
+        when there is no room now. Room means a block to spare for each running request beside the prompt's:
+        a reservation never takes the blocks the streams decoding here are about to grow into (which would
+        preempt them, and recompute their whole context here).
         """
         self._check_new(request)
         hits, num_cached = self.kv.get_computed_blocks(request)
         need = request.num_prompt_tokens - num_cached
-        if self.kv.allocate_slots(request, need, hits) is None:
+        if self.kv.allocate_slots(request, need, hits, keep_free=len(self.running)) is None:
             self.kv.reset_hashes(request.request_id)
             return None
         request.num_cached_tokens = num_cached
@@ -141,20 +145,44 @@ class Scheduler:
 
     # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decodes first, then prompt chunks in what is left (vLLM's chunked prefill): a decode is never starved
+        by a long prompt, and while any request decodes the step's prompt tokens stay within
+        `max_prefill_tokens_while_decoding`, which bounds the step's time, each stream's inter-token latency."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = _StepBudget(self.config, decoding=self._any_decoding())
         scheduled_ids: set[str] = set()
+        running = self._by_priority(list(self.running))
+        # First, the running requests' decodes (one token each), and the waiting ones whose prompt KV is all here
+        # (a remote prefill's); then the running prompts' next chunks; then new prompts.
+        self._schedule_running([r for r in running if self._remaining(r) <= 1], out, budget, scheduled_ids)
+        if not out.preempted_req_ids:
+            self._admit_waiting_decodes(out, budget)
+        self._schedule_running([r for r in running if self._remaining(r) > 1], out, budget, scheduled_ids)
+        if not out.preempted_req_ids:
+            self._admit_waiting(out, budget)
+        return out
 
-        for request in self._by_priority(list(self.running)):
-            if budget <= 0:
-                break
+    @staticmethod
+    def _remaining(request: Request) -> int:
+        """Tokens the request has to compute before its next sample: 1 for a decode, more for a prompt."""
+        return request.num_tokens - request.num_computed_tokens
+
+    def _any_decoding(self) -> bool:
+        """Whether this step carries a decode: a running request one token from its next sample, or a waiting one
+        whose prompt KV is all here (a remote prefill's, admitted at the head of the queue)."""
+        return any(self._remaining(r) <= 1 for r in self.running) or \
+            any(self._remaining(r) <= 1 for r in self.waiting)
+
+    def _schedule_running(self, requests: list[Request], out: SchedulerOutput, budget: _StepBudget,
+                          scheduled_ids: set[str]) -> None:
+        for request in requests:
             if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this step
             if request.num_pending and self._reaches_length(request):
                 continue  # its token in flight is its last one
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = budget.grant(self._remaining(request))
             if n <= 0:
-                continue
+                continue  # a prompt chunk with no prompt budget left (a decode is always granted its token)
             while self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(exclude=scheduled_ids)
                 self._preempt(victim)
@@ -164,26 +192,40 @@ class Scheduler:
             else:
                 out.scheduled.append(self._scheduled(request, n))
                 scheduled_ids.add(request.request_id)
-                budget -= n
+                budget.take(n)
 
-        if not out.preempted_req_ids:
-            self._admit_waiting(out, budget)
-        return out
+    def _admit_waiting_decodes(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        """Waiting requests with one token to compute (their prompt's KV landed from a prefill worker) join
+        the step ahead of any prompt, wherever they are in the queue: they need a seat, not prefill time."""
+        ready = [r for r in self.waiting if self._remaining(r) <= 1]
+        for request in ready:
+            if budget.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if self.kv.allocate_slots(request, 1) is None:
+                return
+            self.waiting.remove(request)
+            request.num_cached_tokens = max(0, request.num_cached_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, 1))
+            budget.take(1)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         if self.config.policy == "priority" and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits: list[int] = []
             num_cached = 0
             if request.num_computed_tokens == 0:
                 hits, num_cached = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - request.num_computed_tokens - num_cached
-            if not self.config.enable_chunked_prefill and remaining > budget:
+            n = budget.grant(remaining)
+            if n <= 0:
+                break
+            if not self.config.enable_chunked_prefill and n < remaining:
                 if out.scheduled or remaining <= self.config.max_num_batched_tokens:
-                    break
-            n = min(remaining, budget)
+                    break  # it waits to go whole (a prompt over the whole budget goes in chunks anyway)
             if self.kv.allocate_slots(request, n, hits) is None:
                 break
             self.waiting.popleft()
@@ -193,7 +235,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, n))
-            budget -= n
+            budget.take(n)
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -363,3 +405,27 @@ class Scheduler:
             "tokens_in_flight": sum(r.num_tokens for r in self.running),
             "waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.waiting),
         }
+
+
+class _StepBudget:
+    """One step's token budget: `max_num_batched_tokens` in all; a prompt chunk at most
+    `long_prefill_token_threshold`, and the step's prompt tokens at most `max_prefill_tokens_while_decoding` while
+    it carries a decode (0: no such cap). A decode (one token) needs only the step's budget."""
+
+    def __init__(self, config: SchedulerConfig, decoding: bool) -> None:
+        self.tokens = config.max_num_batched_tokens
+        self.prefill = config.max_prefill_tokens_while_decoding if decoding else 0
+        if self.prefill <= 0:
+            self.prefill = self.tokens
+        self.chunk = config.long_prefill_token_threshold or self.tokens
+
+    def grant(self, remaining: int) -> int:
+        """Tokens a request with `remaining` to compute may have now (0: none)."""
+        if remaining <= 1:
+            return min(remaining, self.tokens)
+        return min(remaining, self.tokens, self.prefill, self.chunk)
+
+    def take(self, n: int) -> None:
+        self.tokens -= n
+        if n > 1:
+            self.prefill -= n

@@ -10,6 +10,8 @@ mid-way (dies, drops the connection, stalls, runs out of drain time) moves: the 
 the tokens already sent again, and the chosen worker continues after them (`resume_token_ids`, only to workers
 whose health lists `resume`; seeded sampling is keyed by output position, so the continuation is the one the
 first worker would have sampled). The client sees one stream. Bad input and a client's cancel never move.
+A decode worker with no KV room for a prompt sends it back before its first token (retry `busy`): the gateway
+tries another decode worker, or that one again after a pause, until `router.queueTimeoutSeconds`, then 429.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from splitserve.router.policy import Charge, Decision, RequestFeatures, RoutingP
 from splitserve.router.workers import Worker, WorkerSet
 
 log = logging.getLogger("splitserve.router")
+BUSY_PAUSE_S = 0.05  # s before a decode worker that said busy is tried again (it already waited for room itself)
 
 
 @dataclass
@@ -66,7 +69,8 @@ class Gateway:
             spec.router.policy, source=cluster, block_size=model.block_size, threshold=spec.decode.disagg_threshold,
             overlap_weight=kv.overlap_weight, decode_weight=kv.decode_weight, pool_credit=kv.pool_credit,
             session_slack=kv.session_slack_blocks, spill_prefill_tokens=spec.router.spill.prefill_backlog_tokens,
-            spill_local_tokens=spec.router.spill.local_backlog_tokens)
+            spill_local_tokens=spec.router.spill.local_backlog_tokens, spill_local_share=spec.router.spill.local_share,
+            spill_handover_tokens=spec.router.spill.handover_tokens)
         for reason in self.policy.reasons:
             m.DECISIONS.labels(self.policy.name, reason)
         m.PREFIX_HIT_TOKENS.inc(0)
@@ -107,21 +111,25 @@ class Gateway:
         if not self.workers.alive("decode"):
             raise APIError(503, "no decode worker is available", code="no_workers")
 
-    async def _route(self, request: RequestFeatures, tried: set[str]):
-        """A decision; while no decode worker is up but some are slow or starting, wait for one (bounded)."""
+    async def _route(self, request: RequestFeatures, tried: set[str], busy_until: dict[str, float] | None = None):
+        """A decision, never a worker in `tried`, nor one in `busy_until` before its time; while no decode worker is
+        up but some are slow or starting (or busy), wait for one (bounded)."""
         deadline = time.monotonic() + self.spec.router.queue_timeout_seconds
         while True:
-            decision = self.policy.route(request, self.workers, frozenset(tried))
+            now = time.monotonic()
+            busy = {name for name, until in (busy_until or {}).items() if until > now}
+            decision = self.policy.route(request, self.workers, frozenset(tried | busy))
             if decision is not None:
                 return decision
             if not self.workers.alive("decode") or (tried and not self.workers.candidates("decode")
                                                     and not self._others_alive(tried)):
                 raise APIError(503, "no decode worker is available", code="no_workers")
-            left = deadline - time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise APIError(429, "no decode worker answered in time; retry later", code="workers_busy",
                                headers={"Retry-After": "5"})
-            await self.workers.wait_for_change(min(left, 1.0))
+            pause = min((busy_until[name] - now for name in busy), default=1.0)
+            await self.workers.wait_for_change(min(left, 1.0, pause))
 
     def _others_alive(self, tried: set[str]) -> bool:
         return any(w.load.serves("decode") and w.info.name not in tried and not w.load.draining and w.state != "down"
@@ -145,6 +153,9 @@ class Gateway:
                     yield piece
                 return  # the attempt reached the request's finish
             except _Moved as failed:
+                if failed.reason == RetryReason.BUSY and not run.produced:
+                    self._bounced(run)  # raises APIError 429 once it has bounced for router.queueTimeoutSeconds
+                    continue
                 why = self._may_not_move(rid, run, failed)
             except APIError as e:  # it cannot go on: an error before its first token, the stream's end after it
                 if not run.produced:
@@ -159,7 +170,8 @@ class Gateway:
         its context so far. Raises `APIError` when there is none."""
         exclude = run.tried | self._cannot_resume() if run.produced else run.tried
         try:
-            decision = await self._route(self.features(gen, gen.prompt_token_ids + run.produced), exclude)
+            decision = await self._route(self.features(gen, gen.prompt_token_ids + run.produced), exclude,
+                                         run.busy_until)
         except APIError as e:
             if run.moving is not None:
                 run.moving.end("no_worker")
@@ -171,7 +183,21 @@ class Gateway:
         if decision.spilled:
             m.SPILLS.inc()
         run.tried.add(decision.decode.name)
+        run.worker = decision.decode.name
         return decision
+
+    def _bounced(self, run: _Run) -> None:
+        """The decode worker had no KV room for the prompt in time (busy): another decode worker may take it now,
+        this one after BUSY_PAUSE_S. Raises `APIError` 429 once the request has bounced for the queue timeout."""
+        now = time.monotonic()
+        run.busy_since = run.busy_since or now
+        if now - run.busy_since > self.spec.router.queue_timeout_seconds:
+            raise APIError(429, "every decode worker is out of KV room; retry later", code="workers_busy",
+                           headers={"Retry-After": "5"})
+        m.BUSY_RETRIES.inc()
+        run.bounces += 1
+        run.tried.discard(run.worker)
+        run.busy_until[run.worker] = now + BUSY_PAUSE_S
 
     async def _attempt(self, gen: GenerationSpec, rid: str, run: _Run, decision: Decision) -> AsyncIterator[Piece]:
         """One decode worker's try at the request, from where it stands, to its finish. Raises `_Moved` when
@@ -202,7 +228,9 @@ class Gateway:
         params = sp if not n else replace(sp, max_tokens=sp.max_tokens - n, min_tokens=max(0, sp.min_tokens - n),
                                           output_offset=sp.output_offset + n)
         prefill = decision.prefill
-        return GenerateCall(rid, gen.prompt_token_ids, params, prefill.name if prefill else "", gen.priority,
+        # after a bounce the call has an id of its own: the prefill worker may not have let go of the last one yet
+        call_id = f"{rid}~{run.bounces}" if run.bounces else rid
+        return GenerateCall(call_id, gen.prompt_token_ids, params, prefill.name if prefill else "", gen.priority,
                             tuple(run.produced))
 
     def _charge(self, decision: Decision, run: _Run) -> Charge:
@@ -325,6 +353,10 @@ class _Run:
     cached: int = 0  # prompt tokens its first worker did not compute
     tried: set[str] = field(default_factory=set)  # decode workers it went to
     endpoint: str = ""  # the latest one's
+    worker: str = ""  # the latest one's name
+    busy_until: dict[str, float] = field(default_factory=dict)  # decode workers that said busy: tried again after
+    busy_since: float = 0.0  # time.monotonic() of its first bounce (0: none)
+    bounces: int = 0  # times a decode worker sent it back busy
     moves: int = 0  # moves after the first token
     moving: _Moving | None = None  # on its way from a failed worker to another one
     last_token_at: float = field(default_factory=time.monotonic)

@@ -23,6 +23,9 @@ HEALTH_FLAPS = Counter("splitserve_health_flaps", "Times a worker this gateway s
 DECISIONS = Counter("splitserve_router_decisions", "Routing decisions by reason", ["policy", "reason"])
 SPILLS = Counter("splitserve_router_prefill_spills",
                  "Long prompts sent to their decode worker's own prefill because the prefill worker was backed up")
+BUSY_RETRIES = Counter("splitserve_router_busy_retries",
+                       "Requests a decode worker sent back before their first token (no KV room for the prompt within "
+                       "decode.reserveWaitSeconds), routed again")
 PREFIX_HIT_TOKENS = Counter("splitserve_router_prefix_hit_tokens",
                             "Prompt tokens the routing decision found cached on the chosen decode worker")
 MIGRATIONS = Counter("splitserve_router_migrations",

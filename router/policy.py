@@ -277,20 +277,30 @@ class KVAware:
 
 
 class Spillover:
-    """Another policy's decisions, except that a long prompt due at a backed-up prefill worker is prefilled by its
-    decode worker instead (`router.spill`): when the prefill worker named has at least `prefill_backlog_tokens`
-    waiting and the decode worker would then have at most `local_backlog_tokens` of its own to prefill, this
-    prompt's included. A prefill burst then uses decode's spare compute while the autoscaler's new prefill
-    replicas load, instead of queueing past the TTFT objective (docs/routing.md). Backlogs are the gateways'
-    own accounting (`WorkerLoad.prefill_backlog_blocks`: blocks not yet prefilled, on whichever worker computes
-    them), so every gateway replica sees the same."""
+    """Conditional disaggregation on top of another policy: a long prompt due at a prefill worker is prefilled by its
+    decode worker instead (`router.spill`) when that gives its first token no later, by the gateways' own
+    accounting of both pools. With U the prompt's uncached tokens, in tokens waiting for their prefill
+    (`WorkerLoad.prefill_backlog_blocks`, from every gateway replica, so replicas agree):
+
+        local  when  prefill_backlog(p) >= prefill_backlog_tokens          (p is busy)
+               and   prefill_backlog(d) + U <= local_backlog_tokens        (d's own prompts stay few)
+               and   (prefill_backlog(d) + U) / local_share
+                         <= prefill_backlog(p) + U + handover_tokens       (d's first token is no later)
+
+    `local_share` is a decode worker's prefill speed beside its decodes as a share of a prefill worker's (its
+    prompt chunks are capped while it decodes, `engine.maxPrefillTokensWhileDecoding`); `handover_tokens` what
+    a handover adds to the first token, in prefill tokens. `local_share` 0 leaves the last test out (the first
+    two alone, the backlog rule). A prefill burst then uses decode's spare compute while the autoscaler's new
+    prefill replicas load, and a prompt never waits behind a long prefill queue when its decode worker would
+    serve it sooner (docs/routing.md)."""
 
     def __init__(self, policy: RoutingPolicy, block_size: int, threshold: int, prefill_backlog_tokens: int,
-                 local_backlog_tokens: int) -> None:
+                 local_backlog_tokens: int, local_share: float = 0.0, handover_tokens: int = 0) -> None:
         self.policy = policy
         self.name, self.reasons = policy.name, policy.reasons
         self.block_size, self.threshold = block_size, threshold
         self.prefill_backlog_tokens, self.local_backlog_tokens = prefill_backlog_tokens, local_backlog_tokens
+        self.local_share, self.handover_tokens = local_share, handover_tokens
 
     def route(self, request: RequestFeatures, view: WorkerView, exclude: frozenset[str] = frozenset()) -> Decision | None:
         decision = self.policy.route(request, view, exclude)
@@ -299,11 +309,16 @@ class Spillover:
         uncached = request.num_prompt_tokens - decision.cached_tokens
         if uncached < self.threshold:  # short: its decode worker prefills it anyway
             return decision
+        return replace(decision, prefill=None, spilled=True) if self.local_pays(decision, uncached) else decision
+
+    def local_pays(self, decision: Decision, uncached: int) -> bool:
+        """Whether the decode worker's own prefill of `uncached` tokens beats the prefill worker's (see above)."""
         bs = self.block_size
-        if (decision.prefill.prefill_backlog_blocks * bs >= self.prefill_backlog_tokens
-                and decision.decode.prefill_backlog_blocks * bs + uncached <= self.local_backlog_tokens):
-            return replace(decision, prefill=None, spilled=True)
-        return decision
+        remote = decision.prefill.prefill_backlog_blocks * bs
+        local = decision.decode.prefill_backlog_blocks * bs + uncached
+        if remote < self.prefill_backlog_tokens or local > self.local_backlog_tokens:
+            return False
+        return self.local_share <= 0 or local <= self.local_share * (remote + uncached + self.handover_tokens)
 
 
 def _rendezvous(key: str, worker: str) -> int:
@@ -321,7 +336,7 @@ class PolicyError(ValueError):
     """An unknown routing policy, or a setting that no policy takes (a misspelling): one line naming it."""
 
 
-SPILL_SETTINGS = ("spill_prefill_tokens", "spill_local_tokens")
+SPILL_SETTINGS = ("spill_prefill_tokens", "spill_local_tokens", "spill_local_share", "spill_handover_tokens")
 
 
 def policy_settings() -> set[str]:
@@ -338,7 +353,8 @@ def make_policy(name: str, **settings) -> RoutingPolicy:
     """The policy named in config (`router.policy`), built with its settings. A setting another policy takes is
     passed over (so one call site serves every policy); one that no policy takes is refused, as is an unknown
     name: `PolicyError`, naming it and the valid ones. A `spill_prefill_tokens` above 0 wraps the policy in
-    `Spillover` (with `spill_local_tokens`, `block_size` and `threshold`)."""
+    `Spillover` (with `spill_local_tokens`, `spill_local_share`, `spill_handover_tokens`, `block_size` and
+    `threshold`)."""
     factory = POLICIES.get(name)
     if factory is None:
         raise PolicyError(f"unknown routing policy {name!r}{_hint(name, POLICIES)}; valid: {', '.join(POLICIES)}")
@@ -351,5 +367,6 @@ def make_policy(name: str, **settings) -> RoutingPolicy:
     spill = settings.get("spill_prefill_tokens", 0)
     if spill > 0:
         policy = Spillover(policy, settings.get("block_size", 16), settings.get("threshold", 512), spill,
-                           settings.get("spill_local_tokens", 0))
+                           settings.get("spill_local_tokens", 0), settings.get("spill_local_share", 0.0),
+                           settings.get("spill_handover_tokens", 0))
     return policy

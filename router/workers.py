@@ -5,7 +5,10 @@ Health is not latency. A worker's state is `up` (ready: it gets requests), `star
 answering but not ready), `slow` (still accepts connections, but several health checks in a row went
 unanswered) or `down` (its connection broke after it had answered once). One late answer from a busy worker
 changes nothing; while a role has workers that are merely slow or starting, requests wait for them (bounded by
-the queue timeout) instead of failing.
+the queue timeout) instead of failing. A slow prefill worker stays a prefill candidate: under load a prefill
+worker misses health checks because it is busy, not gone, and dropping it would make every decode worker
+prefill long prompts itself; the gateway's own backlog accounting steers prompts away from it, and a prefill
+that does fail is computed by its decode worker (counted as `fallback`).
 
 A worker that flips its role keeps its name, instance and connection: when membership names it under its new
 role, its view changes role in place.
@@ -113,7 +116,8 @@ class WorkerSet:
 
     # -- WorkerView -----------------------------------------------------------------------------------
     def candidates(self, role: str) -> list[WorkerLoad]:
-        return [w.load for w in self.by_name.values() if w.load.serves(role) and w.load.available]
+        return [w.load for w in self.by_name.values() if w.load.serves(role)
+                and (w.load.available or (role == "prefill" and w.state == "slow" and not w.load.draining))]
 
     def get(self, name: str) -> Worker | None:
         return self.by_name.get(name)

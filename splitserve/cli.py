@@ -110,6 +110,10 @@ ENGINE_FLAGS = [
     flag("kv-cache-memory", "prefill.engine.kv_cache_memory", "decode.engine.kv_cache_memory"),
     flag("max-num-seqs", "prefill.engine.max_num_seqs", "decode.engine.max_num_seqs"),
     flag("max-num-batched-tokens", "prefill.engine.max_num_batched_tokens", "decode.engine.max_num_batched_tokens"),
+    flag("long-prefill-token-threshold", "prefill.engine.long_prefill_token_threshold",
+         "decode.engine.long_prefill_token_threshold"),
+    flag("max-prefill-tokens-while-decoding", "prefill.engine.max_prefill_tokens_while_decoding",
+         "decode.engine.max_prefill_tokens_while_decoding"),
     flag("threads", "prefill.engine.threads", "decode.engine.threads"),
     flag("batch-invariant", "prefill.engine.batch_invariant", "decode.engine.batch_invariant"),
 ]
@@ -249,6 +253,7 @@ ROUTER_FLAGS = [
     flag("port", "router.port"),
     flag("routing", "router.policy"),
     flag("max-inflight", "router.max_inflight"),
+    flag("spill-backlog", "router.spill.prefill_backlog_tokens"),
     flag("redis-url", "redis.url"),
 ]
 

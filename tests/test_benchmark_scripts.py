@@ -74,3 +74,49 @@ def test_kv_pool_contract(tmp_path):
     assert out["tokens_computed"]["no_pool"] > out["tokens_computed"]["pool"]
     assert out["pool_read_gbps"] > 0 and out["redis_get_gbps"] > 0 and out["load_ms_per_1k_tokens"] > 0
     assert out["failed"] == {"pool": 0, "no_pool": 0}
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_goodput_matrix_plans_each_gpu_count_and_refuses_bad_arguments_in_one_line():
+    res = run_script("benchmarks/goodput_matrix.py", "--help")
+    assert res.returncode == 0 and "--max-prefill-tokens-while-decoding" in res.stdout
+    plans = {}
+    for gpus in ("1", "2", "4"):
+        res = run_script("benchmarks/goodput_matrix.py", "--dry-run", "--gpus", gpus, "--engines", "native")
+        assert res.returncode == 0, res.stderr
+        plans[gpus] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [plans[g]["configs"] for g in ("1", "2", "4")] == \
+        [["colocated"], ["colocated", "1p1d"], ["colocated", "1p3d", "2p2d"]]
+    assert plans["4"]["rates_rps"]["azure_code"] == [2 * r for r in plans["2"]["rates_rps"]["azure_code"]]
+    # one engine, one configuration: under ten minutes by the script's own estimate
+    one = run_script("benchmarks/goodput_matrix.py", "--dry-run", "--gpus", "2", "--engines", "vllm", "--configs",
+                     "1p1d")
+    assert json.loads(one.stdout.strip().splitlines()[-1])["estimated_s"] < 600
+    for bad, says in ((["--gpus", "2", "--configs", "2p2d"], "--configs: 2p2d"),
+                      (["--engines", "sglang"], "unknown 'sglang'"),
+                      (["--rates", "azure_code=fast"], "--rates"),
+                      (["--traces", "azure_code", "--rates", "azure_conv=1"], "no rate for azure_code"),
+                      (["--device", "cpu", "--engines", "vllm"], "--engines: vllm")):
+        res = run_script("benchmarks/goodput_matrix.py", "--dry-run", *bad)
+        assert res.returncode != 0 and res.stderr.startswith("goodput_matrix: ") and says in res.stderr, res.stderr
+        assert res.stderr.count("\n") == 1
+
+
+def test_goodput_matrix_slices_traces_to_carry_and_checks_they_are_long_enough(tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    sample = ROOT / "benchmarks" / "traces" / "azure_conv_2023_48.csv"
+    for name in ("azure_conv_2023.csv", "azure_code_2023.csv"):
+        (full / name).write_text(sample.read_text())
+    res = run_script("benchmarks/goodput_matrix.py", "--trace-dir", str(full), "--write-slices", str(tmp_path / "s"),
+                     "--slice-rows", "10")
+    assert res.returncode == 0, res.stderr
+    lines = (tmp_path / "s" / "azure_code_2023.csv").read_text().splitlines()
+    assert len(lines) == 11 and lines[0] == sample.read_text().splitlines()[0]
+    # 10 requests cannot feed 3 req/s for 20 s: refused before any cluster starts
+    res = run_script("benchmarks/goodput_matrix.py", "--device", "cpu", "--shape", "tiny", "--engines", "native",
+                     "--gpus", "1", "--trace-dir", str(tmp_path / "s"))
+    assert res.returncode != 0 and "has 10 requests" in res.stderr, res.stderr

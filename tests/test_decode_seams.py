@@ -9,7 +9,13 @@ from collections.abc import AsyncIterator
 
 from splitserve.common.membership import StaticMembership
 from splitserve.common.sampling import SamplingParams
-from splitserve.common.worker_messages import GenerateCall, GenerateChunk, PrefillReply, WorkerCallError
+from splitserve.common.worker_messages import (
+    GenerateCall,
+    GenerateChunk,
+    PrefillReply,
+    RetryReason,
+    WorkerCallError,
+)
 from splitserve.decode_worker.service import DecodeService
 from splitserve.engine.interface import ModelFacts, Reservation
 from splitserve.engine.outputs import RequestOutput
@@ -142,13 +148,46 @@ def test_where_reserving_takes_time_the_prefill_call_goes_out_first_and_its_tick
     assert [list(r.token_ids) for r in out] == [[42], [5]] and out[0].remote_prefill and not handover.cancelled
 
 
-def test_a_refused_reservation_gives_the_early_call_up_and_prefills_locally():
+def test_no_room_for_the_kv_waits_then_sends_the_request_back_busy_never_prefilling_it_here():
     engine, peer = Engine(), Peer()
     handover = EarlyHandover(refuse="no_free_blocks")
-    out = asyncio.run(collect(service(handover, peer, engine), "f"))
+    svc = DecodeService(engine, handover, StaticMembership(["p:1"], ["d:1"]), threshold=32,
+                        connect=lambda endpoint: peer, reserve_wait=0.3)
+    out = asyncio.run(collect(svc, "f"))
     assert peer.calls == ["early"] and peer.given_up == ["f"] and peer.tickets == []
-    assert engine.calls == ["generate f"] and not handover.cancelled  # nothing was reserved: nothing to hand back
-    assert [list(r.token_ids) for r in out] == [[7, 8]] and not out[0].remote_prefill
+    assert engine.calls == [] and not handover.cancelled  # nothing prefilled here, nothing reserved to hand back
+    assert len(handover.calls) >= 2  # it tried again while it waited
+    (busy,) = out
+    assert busy.finished and busy.finish_reason == "error" and busy.retry == RetryReason.BUSY and not busy.token_ids
+
+
+class RoomLater(EarlyHandover):
+    """Refuses for want of blocks until `frees` reservations have been tried."""
+
+    def __init__(self, frees: int) -> None:
+        super().__init__(refuse="no_free_blocks")
+        self.frees = frees
+
+    async def reserve(self, *args, **kwargs) -> Reservation:
+        self.frees -= 1
+        if self.frees < 0:
+            self.refuse = ""
+        return await super().reserve(*args, **kwargs)
+
+
+def test_a_reservation_that_waited_for_room_sends_its_ticket_to_the_early_call():
+    engine, peer = Engine(), Peer()
+    handover = RoomLater(frees=1)
+    out = asyncio.run(collect(service(handover, peer, engine), "g"))
+    assert peer.calls == ["early"] and peer.tickets == [b"opaque-ticket"] and not peer.given_up
+    assert handover.calls == ["reserve g min=32", "reserve g min=32", "landed g", "admit g 42"]
+    assert [list(r.token_ids) for r in out] == [[42], [5]] and out[0].remote_prefill and engine.calls == []
+
+
+def test_a_mostly_cached_prompt_is_prefilled_here():
+    engine, peer = Engine(), Peer()
+    out = asyncio.run(collect(service(EarlyHandover(refuse="short_prompt"), peer, engine), "h"))
+    assert peer.given_up == ["h"] and engine.calls == ["generate h"] and not out[0].remote_prefill
 
 
 class PullHandover(Handover):

@@ -35,6 +35,7 @@ class Script:
     fail_after: int = 1 << 30
     how: str = "none"  # none | die | stall | retry | fatal | invalid
     resume: bool = True  # its health lists the capability
+    busy: int = 0  # its first `busy` calls answer busy before any token (no KV room for the prompt)
     calls: list[pb.GenerateRequest] = field(default_factory=list)
 
 
@@ -45,6 +46,11 @@ class ScriptedWorker(pb_grpc.WorkerServicer):
     async def Generate(self, request, context):
         s = self.script
         s.calls.append(request)
+        if s.busy:
+            s.busy -= 1
+            yield pb.GenerateResponse(request_id=request.request_id, finished=True, finish_reason="error",
+                                      error="no KV room for the prompt within 1 s", retry="busy")
+            return
         start = len(request.resume_token_ids)
         sent = 0
         for tid in self.tokens[start:start + request.params.max_tokens]:
@@ -174,3 +180,33 @@ def test_before_the_first_token_a_failure_retries_and_bad_input_never_moves():
     with pytest.raises(APIError) as e:
         asyncio.run(serve([Script(fail_after=0, how="invalid"), other], {}))
     assert e.value.status == 400 and not other.calls
+
+
+def busy_retries() -> float:
+    return m.BUSY_RETRIES._value.get()
+
+
+def test_a_busy_decode_worker_sends_the_request_to_another_one_and_it_is_no_move():
+    first, second = Script(busy=1), Script()
+    before, moves = busy_retries(), moved("busy", "resumed")
+    text, finish, _, _ = asyncio.run(serve([first, second], {}))
+    assert (text, finish) == (TEXT, "length")
+    assert len(first.calls) == 1 and len(second.calls) == 1 and not second.calls[0].resume_token_ids
+    assert busy_retries() == before + 1 and moved("busy", "resumed") == moves
+
+
+def test_the_only_decode_worker_busy_is_tried_again_until_it_has_room():
+    only = Script(busy=3)
+    before = busy_retries()
+    text, finish, _, _ = asyncio.run(serve([only], {}))
+    assert (text, finish) == (TEXT, "length") and len(only.calls) == 4
+    assert busy_retries() == before + 3
+    # each try after a bounce has an id of its own (the prefill worker may still hold the last one's)
+    assert [c.request_id for c in only.calls] == ["cmpl-1", "cmpl-1~1", "cmpl-1~2", "cmpl-1~3"]
+
+
+def test_workers_busy_past_the_queue_timeout_get_429():
+    with pytest.raises(APIError) as e:
+        asyncio.run(serve([Script(busy=1 << 20), Script(busy=1 << 20)], {}, queueTimeoutSeconds=0.5))
+    assert e.value.status == 429 and e.value.code == "workers_busy" and e.value.headers["Retry-After"]
+

@@ -154,3 +154,26 @@ def test_least_loaded_spreads_concurrent_requests_as_before():
         assert _decisions(up, "least_loaded") == 8
     finally:
         assert up.stop() == 0
+
+
+def test_a_long_prompt_goes_local_only_when_its_first_token_comes_no_later_there():
+    """Conditional disaggregation: beside both backlogs' bounds, local when (local backlog + U) / share is at most
+    remote backlog + U + handover."""
+    conditional = Spillover(LeastLoaded(), block_size=16, threshold=64, prefill_backlog_tokens=1024,
+                            local_backlog_tokens=4096, local_share=0.5, handover_tokens=200)
+    busy = w("p", "prefill", pending_prefill_blocks=64)  # 1024 tokens waiting: busy enough to consider
+    # an idle decode worker: (0 + 300) / 0.5 = 600 <= 1024 + 300 + 200
+    assert conditional.route(LONG, View(w("d"), busy)).spilled
+    # the decode worker's own 32 blocks: (512 + 300) / 0.5 = 1624 > 1524: the prefill worker is sooner
+    d = conditional.route(LONG, View(w("d", pending_prefill_blocks=32), busy))
+    assert d.prefill is busy and not d.spilled
+    # ... unless the prefill worker is further behind: 1024 + 200 more tokens waiting there
+    behind = w("p", "prefill", pending_prefill_blocks=64, peer_pending_prefill_blocks=7)
+    assert conditional.route(LONG, View(w("d", pending_prefill_blocks=32), behind)).spilled
+    # share 0: the backlog rule alone (the same decode worker spills)
+    legacy = Spillover(LeastLoaded(), block_size=16, threshold=64, prefill_backlog_tokens=1024,
+                       local_backlog_tokens=4096)
+    assert legacy.route(LONG, View(w("d", pending_prefill_blocks=32), busy)).spilled
+    made = make_policy("least_loaded", spill_prefill_tokens=1024, spill_local_tokens=4096, spill_local_share=0.5,
+                       spill_handover_tokens=200, threshold=64)
+    assert (made.local_share, made.handover_tokens) == (0.5, 200)

@@ -145,3 +145,107 @@ def test_held_blocks_stay_until_release():
     run_step(s)
     assert r.is_finished and s.pool.num_used_blocks == 3
     assert s.release("p") and s.pool.num_used_blocks == 0
+
+
+def make_capped(budget=64, while_decoding=0, long_threshold=0, **kw):
+    s = make(budget=budget, num_blocks=256, max_len=512, **kw)
+    s.config.max_prefill_tokens_while_decoding = while_decoding
+    s.config.long_prefill_token_threshold = long_threshold
+    return s
+
+
+def decoding(s: Scheduler, ids: list[str], count: int = 2) -> None:
+    """Admit `ids` (short prompts) and run until each has sampled a token: they are decoding."""
+    for i, rid in enumerate(ids):
+        s.add_request(req(rid, 3, max_tokens=100, first=300 + 10 * i))
+    for _ in range(count):
+        run_step(s)
+    assert all(s.requests[r].num_output_tokens >= 1 for r in ids)
+
+
+def test_a_long_prompt_admitted_earlier_never_starves_decodes_admitted_after_it():
+    # the prompt is in `running` before the decodes: its chunks still come after their tokens in every step
+    s = make_capped(budget=16)
+    s.add_request(req("long", 200, max_tokens=2))
+    run_step(s)  # long takes the whole step: 16 of its 200 tokens
+    for rid, tok in (("d1", 100), ("d2", 110)):
+        blocks, _ = s.reserve_remote(req(rid, 4, max_tokens=50, first=tok))
+        s.admit_remote(rid, SampledToken(5))  # a remote prefill's KV landed: it decodes from here
+    for _ in range(5):
+        out = run_step(s)
+        got = {x.request_id: x.num_new_tokens for x in out.scheduled}
+        assert got["d1"] == got["d2"] == 1 and got["long"] == 14
+        assert out.num_scheduled_tokens <= 16
+
+
+def test_prompt_tokens_beside_decodes_stay_under_their_cap_and_take_the_whole_budget_alone():
+    s = make_capped(budget=64, while_decoding=8)
+    s.add_request(req("alone", 100, max_tokens=2))
+    out = run_step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("alone", 64)]  # no decode: no cap
+    decoding(s, ["a", "b"], count=1)  # admitted beside alone's last chunk: they sample their first tokens
+    s.add_request(req("p1", 30, max_tokens=1, first=200))
+    s.add_request(req("p2", 30, max_tokens=1, first=250))
+    out = run_step(s)
+    prompts = sum(x.num_new_tokens for x in out.scheduled if x.num_new_tokens > 1)
+    assert {x.request_id for x in out.scheduled if x.num_new_tokens == 1} >= {"a", "b"}
+    assert prompts <= 8
+    # the cap is shared by every prompt in the step, the running one first
+    steps = 0
+    while not (s.requests.get("p1") is None and s.requests.get("p2") is None):
+        out = run_step(s)
+        steps += 1
+        assert sum(x.num_new_tokens for x in out.scheduled if x.num_new_tokens > 1) <= 8
+        assert {"a", "b"} <= {x.request_id for x in out.scheduled}
+    assert steps >= 60 // 8 - 1
+
+
+def test_long_prefill_token_threshold_caps_one_prompts_chunk():
+    s = make_capped(budget=64, long_threshold=10)
+    s.add_request(req("x", 25, max_tokens=1))
+    s.add_request(req("y", 25, max_tokens=1, first=100))
+    out = run_step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("x", 10), ("y", 10)]
+    out = run_step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("x", 10), ("y", 10)]
+    out = run_step(s)
+    assert [(x.request_id, x.num_new_tokens, x.sample) for x in out.scheduled] == [("x", 5, True), ("y", 5, True)]
+
+
+def test_a_landed_remote_prefill_decodes_at_once_even_when_prompts_fill_the_cap():
+    s = make_capped(budget=32, while_decoding=8)
+    s.add_request(req("long", 200, max_tokens=1))
+    run_step(s)
+    s.reserve_remote(req("r", 6, max_tokens=5, first=400))
+    s.admit_remote("r", SampledToken(9))
+    out = run_step(s)
+    got = {x.request_id: x.num_new_tokens for x in out.scheduled}
+    assert got == {"r": 1, "long": 8}  # the remote request makes this a decoding step: long is capped
+
+
+def test_without_chunking_a_prompt_waits_for_a_step_whose_prompt_budget_holds_it():
+    s = make_capped(budget=64, while_decoding=8, chunked=False)
+    decoding(s, ["a"])
+    s.add_request(req("p", 12, max_tokens=1, first=200))
+    out = run_step(s)
+    assert "p" not in {x.request_id for x in out.scheduled}  # 12 > 8 beside a decode
+    s.add_request(req("q", 6, max_tokens=1, first=250))
+    assert "q" not in {x.request_id for x in s.schedule().scheduled}  # FCFS: q waits behind p
+
+
+def test_step_budget_settings_are_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=-1)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-3)
+
+
+def test_a_reservation_leaves_a_block_for_each_decoding_stream_to_grow_into():
+    s = make(num_blocks=10, budget=64, block_size=4, max_len=40)
+    decoding(s, ["a", "b"], count=1)  # 3-token prompts + 1 token: one block each, 8 free
+    assert s.pool.num_free_blocks == 8
+    assert s.reserve_remote(req("big", 28, first=500)) is None  # 7 blocks would leave 1 for 2 streams
+    blocks, _ = s.reserve_remote(req("fits", 24, first=600))  # 6 blocks leave 2
+    assert len(blocks) == 6 and s.pool.num_free_blocks == 2

@@ -211,7 +211,8 @@ def test_prefix_caches_shorten_repeated_prompts():
 
 def test_the_routers_least_loaded_policy_spreads_requests():
     reqs = [SimRequest(i, i * 0.001, 600, 50) for i in range(40)]
-    res = simulate(reqs, SETTINGS, StaticLaw(2, 3), (2, 3))
+    no_spill = dataclasses.replace(SETTINGS, spill_prefill_tokens=0)  # every prompt to a prefill worker
+    res = simulate(reqs, no_spill, StaticLaw(2, 3), (2, 3))
     by_decode: dict[str, int] = {}
     by_prefill: dict[str, int] = {}
     for r in res.requests:

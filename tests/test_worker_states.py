@@ -60,3 +60,50 @@ async def _until(workers: WorkerSet, worker, state: str, timeout: float = 30.0) 
         assert loop.time() < deadline, f"still {worker.state}, not {state}"
         await workers.check(worker)
         await asyncio.sleep(0.1)
+
+
+class Silent(pb_grpc.WorkerServicer):
+    """Answers health as `role` until `mute` is set, then never (a worker busy past every health check)."""
+
+    def __init__(self, role: str) -> None:
+        self.role, self.mute = role, asyncio.Event()
+
+    async def Health(self, request, context):  # noqa: N802 (gRPC's name)
+        if self.mute.is_set():
+            await asyncio.sleep(3600)
+        return pb.HealthResponse(live=True, ready=True, role=self.role, engine="native")
+
+
+@pytest.mark.asyncio
+async def test_a_busy_prefill_worker_that_misses_health_checks_stays_a_prefill_candidate():
+    """`slow` takes a decode worker out of routing, but a prefill worker that misses health checks is busy: were
+    it dropped, every decode worker would prefill long prompts itself (no prefill worker named)."""
+    ports = {"prefill": free_port(), "decode": free_port()}
+    servicers = {role: Silent(role) for role in ports}
+    servers = []
+    for role, port in ports.items():
+        server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(servicers[role], server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        servers.append(server)
+    workers = WorkerSet(StaticMembership(prefill=[f"127.0.0.1:{ports['prefill']}"],
+                                         decode=[f"127.0.0.1:{ports['decode']}"]), interval=0.1, failures_to_down=2)
+    try:
+        for w in workers.workers:
+            await _until(workers, w, "up")
+        assert len(workers.candidates("prefill")) == len(workers.candidates("decode")) == 1
+        for s in servicers.values():
+            s.mute.set()
+        for w in workers.workers:
+            await _until(workers, w, "slow")
+        prefill = next(w for w in workers.workers if w.info.role == "prefill")
+        assert [w.name for w in workers.candidates("prefill")] == [prefill.load.name]
+        assert workers.candidates("decode") == []  # a slow decode worker is waited for, not routed to
+        prefill.load.draining = True
+        assert workers.candidates("prefill") == []  # a draining one never is
+    finally:
+        for w in workers.workers:
+            await w.client.close()
+        for server in servers:
+            await server.stop(None)

@@ -93,6 +93,8 @@ def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: 
     cmd.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
     if m.max_model_len:
         cmd += ["--max-model-len", str(m.max_model_len)]
+    if e.long_prefill_token_threshold:
+        cmd += ["--long-prefill-token-threshold", str(e.long_prefill_token_threshold)]
     if e.data_parallel_size > 1:
         cmd += ["--data-parallel-size", str(e.data_parallel_size)]
     if m.expert_parallel:

@@ -39,6 +39,8 @@ class Experiment:
                            disagg_threshold=s.decode.disagg_threshold, routing=s.router.policy,
                            spill_prefill_tokens=s.router.spill.prefill_backlog_tokens,
                            spill_local_tokens=s.router.spill.local_backlog_tokens,
+                           spill_local_share=s.router.spill.local_share,
+                           spill_handover_tokens=s.router.spill.handover_tokens,
                            block_size=s.model.block_size, gpus_per_replica=s.model.tensor_parallel_size,
                            cold_start_s=s.autoscaling.cold_start_seconds, engine=s.engine_of("decode"),
                            flips=s.autoscaling.role_flips and s.mode == "disaggregated",

@@ -41,6 +41,8 @@ class SimSettings:
     disagg_threshold: int = 512  # prompts shorter than this are prefilled by the decode worker
     spill_prefill_tokens: int = SpillSpec().prefill_backlog_tokens  # router.spill (0: never)
     spill_local_tokens: int = SpillSpec().local_backlog_tokens
+    spill_local_share: float = SpillSpec().local_share
+    spill_handover_tokens: int = SpillSpec().handover_tokens
     routing: str = "least_loaded"  # router.policy
     block_size: int = 16
     gpus_per_replica: int = 1  # tensorParallelSize
@@ -111,7 +113,9 @@ class Simulation:
         # the gateway's call (router/gateway.py); no KV index here, so kv_aware routes by load
         self.policy = make_policy(settings.routing, source=None, block_size=settings.block_size,
                                   threshold=settings.disagg_threshold, spill_prefill_tokens=settings.spill_prefill_tokens,
-                                  spill_local_tokens=settings.spill_local_tokens)
+                                  spill_local_tokens=settings.spill_local_tokens,
+                                  spill_local_share=settings.spill_local_share,
+                                  spill_handover_tokens=settings.spill_handover_tokens)
         self.workers: list[SimWorker] = []  # every worker ever started
         self.live: dict[str, list[SimWorker]] = {"prefill": [], "decode": []}
         self.by_name: dict[str, SimWorker] = {}
@@ -282,8 +286,8 @@ class Simulation:
     def _end(self, req: SimRequest, now: float, status: Status) -> None:
         for w in (req.decode_worker, req.prefill_worker):
             if isinstance(w, SimWorker) and req in w.inflight:
-                if w.state != WorkerState.GONE and status == Status.FAILED and req in w.decoding:
-                    w.decoding.remove(req)  # only a worker being killed loses decoding requests
+                if status == Status.FAILED and req in w.decoding:
+                    w.drop_decoding(req, now)  # only a worker being killed loses decoding requests
                 w.release(req)
                 w.sync_load()
         charge = self._charges.pop(req.rid, None)

@@ -325,6 +325,11 @@ class SimWorker:
         req.last_token = now
         self.ctx_sum -= req.prompt + req.generated
 
+    def drop_decoding(self, req: SimRequest, now: float) -> None:
+        """A decoding request failed here (the worker was killed): out of the batch, its KV growth settled so that
+        `release` frees all of it."""
+        self._leave_decode(req, now)
+
     def release(self, req: SimRequest) -> None:
         """Free whatever this worker holds for `req` (KV, queue places) and forget it."""
         if self.role == "prefill":

@@ -103,7 +103,7 @@ VLLM_OWNED_FLAGS = frozenset({
     "--enforce-eager",
     "--load-format", "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching",
     "--no-enable-prefix-caching", "--scheduling-policy", "--seed", "--kv-transfer-config", "--kv-events-config",
-    "--kv-cache-memory-bytes", "--kv-cache-memory", "--api-key",
+    "--kv-cache-memory-bytes", "--kv-cache-memory", "--api-key", "--long-prefill-token-threshold",
 })
 
 
@@ -133,6 +133,13 @@ class EngineSpec(Spec):
     """Requests in one batch at most."""
     max_num_batched_tokens: Annotated[int, Field(ge=1)] = 2048
     """Tokens in one step at most (chunked prefill splits longer prompts)."""
+    long_prefill_token_threshold: Count = 0
+    """Engine native: a prompt's chunk in one step at most, in tokens (vLLM's name); 0: maxNumBatchedTokens."""
+    max_prefill_tokens_while_decoding: Count = 0
+    """Engine native: prompt tokens in one step at most while the step also decodes (0: maxNumBatchedTokens).
+    Decodes go first in every step and prompt chunks take what is left; this cap bounds the step's time, which
+    is every decoding stream's inter-token latency: about (slo.itlSeconds - a decode step's time) x the
+    worker's prefill tokens/s (e.g. 1024 for an 8B model on an H200 with a 50 ms objective)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of prompt prefixes already computed on this worker."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
@@ -205,6 +212,11 @@ class PrefillSpec(RoleSpec):
 class DecodeSpec(RoleSpec):
     disagg_threshold: Annotated[int, Field(ge=1)] = 512
     """Uncached prompt tokens below which a decode worker prefills locally."""
+    reserve_wait_seconds: Annotated[float, Field(ge=0)] = 1.0
+    """How long a decode worker waits for KV room for a remote prefill's prompt (retrying as blocks free) before
+    it sends the request back to the gateway as busy (the gateway tries another decode worker, or this one after
+    a pause, within router.queueTimeoutSeconds). A decode worker never prefills a long prompt itself for want
+    of blocks: that would stall every stream it decodes."""
 
 
 class RatioSpec(Spec):
@@ -281,15 +293,24 @@ class KVAwareSpec(Spec):
 
 class SpillSpec(Spec):
     """When the gateway lets a decode worker prefill a long prompt itself instead of queueing it at a busy prefill
-    worker: a prefill burst is absorbed by decode's spare compute while prefill replicas load (docs/routing.md).
-    The defaults are about 0.4 s and 0.2 s of an 8B model's prefill on an H200; scale them with the hardware."""
+    worker (conditional disaggregation, docs/routing.md): when its first token comes no later there, by the
+    gateways' accounting of both pools, and the decode worker's own prompts stay few. A prefill burst is
+    absorbed by decode's spare compute while prefill replicas load. The token defaults are about 0.4 s, 0.2 s
+    and 25 ms of an 8B model's prefill on an H200; scale them with the hardware."""
 
     prefill_backlog_tokens: Count = 16384
-    """A long prompt is prefilled by its decode worker when the prefill worker it would go to has at least this
-    many prompt tokens waiting (0: never)."""
+    """A long prompt may be prefilled by its decode worker only while the prefill worker it would go to has at least
+    this many prompt tokens waiting (0: never)."""
     local_backlog_tokens: Count = 8192
     """... and the decode worker would then have at most this many prompt tokens of its own to prefill, this
     prompt's included (its decode steps slow down while it prefills)."""
+    local_share: Annotated[float, Field(ge=0, le=1)] = 0.5
+    """... and its first token comes no later there: a decode worker's prefill speed beside its decodes, as a share
+    of a prefill worker's (engine.maxPrefillTokensWhileDecoding against the prefill workers' maxNumBatchedTokens,
+    roughly); 0 leaves this test out."""
+    handover_tokens: Count = 1024
+    """What handing a prompt's KV over adds to its first token (the transfer's tail, the extra hop), in prompt
+    tokens of prefill time: it counts against the prefill worker in that comparison."""
 
 
 class RouterSpec(Spec):
@@ -571,6 +592,9 @@ class ClusterSpec(Spec):
         elif self.model.device == "cpu" and self.model.block_size != 32:
             raise ValueError(f"model.blockSize: vLLM on CPU needs 32-token KV blocks (got {self.model.block_size})")
         for r in roles:
+            if kinds[r] == "vllm" and self.role(r).engine.max_prefill_tokens_while_decoding:
+                raise ValueError(f"{r}.engine.maxPrefillTokensWhileDecoding: engine native only (vLLM chunks prompts "
+                                 f"under maxNumBatchedTokens and longPrefillTokenThreshold); leave it at 0")
             if self.role(r).engine.threads:
                 raise ValueError(f"{r}.engine.threads: engine vllm picks its own CPU threads (VLLM_CPU_OMP_THREADS_BIND "
                                  f"in the worker's environment); leave threads at 0")

@@ -21,13 +21,15 @@ CAPABILITIES = frozenset({"resume"})  # what a worker may list in its health (ot
 
 class RetryReason(StrEnum):
     """Why a request that failed on one decode worker may go on on another (the `reason` label of
-    `splitserve_router_migrations_total`). A worker gives the last two on the final chunk of the stream it
-    failed; the gateway sees the first two itself."""
+    `splitserve_router_migrations_total`). A worker gives the last three on the final chunk of the stream it
+    failed; the gateway sees the first two itself. `busy` is a bounce, not a move: the gateway tries another
+    decode worker, or this one again after a pause (`splitserve_router_busy_retries_total`)."""
 
     WORKER_GONE = "worker_gone"  # the call failed (connection refused, reset or closed) or ended without a finish
     STALL = "stall"  # no token for router.stallSeconds
     DRAIN = "drain"  # the worker's drain time ran out
     ENGINE = "engine"  # the worker's engine stopped: the engine, not the request, failed
+    BUSY = "busy"  # before its first token: the decode worker had no KV room for the prompt in time (try another)
 
 
 # == messages ===================================================================================================

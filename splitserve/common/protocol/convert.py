@@ -145,10 +145,10 @@ def chunk_from_pb(m: pb.GenerateResponse) -> GenerateChunk:
 
 
 def _retry_from_pb(retry: str) -> RetryReason | None:
-    """A worker says drain or engine; any other word (from a later release) still lets the request move."""
+    """A worker says drain, engine or busy; any other word (from a later release) still lets the request move."""
     if not retry:
         return None
-    return RetryReason.DRAIN if retry == RetryReason.DRAIN else RetryReason.ENGINE
+    return RetryReason(retry) if retry in (RetryReason.DRAIN, RetryReason.BUSY) else RetryReason.ENGINE
 
 
 def prefill_reply_from_pb(m: pb.PrefillResponse) -> PrefillReply:
