@@ -29,7 +29,7 @@ log = logging.getLogger("splitserve.decode_worker")
 
 async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeService:
     if spec.engine_of("decode") == "vllm":  # vLLM's own pull (NixlConnector) moves the KV
-        from splitserve.vllm_engine.handover import VllmDecodeHandover
+        from splitserve.vllm_engine.pull_handover import VllmDecodeHandover
 
         _label_series(with_handover=True)
         return DecodeService(engine, VllmDecodeHandover(engine), ctx.membership, spec.decode.disagg_threshold,

@@ -38,7 +38,7 @@ async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> P
 
 def _build_vllm(engine) -> PrefillService:
     """engine vllm: the prompt's KV stays on this worker's vLLM server until the decode side pulls it."""
-    from splitserve.vllm_engine.handover import VllmPrefillHandover
+    from splitserve.vllm_engine.pull_handover import VllmPrefillHandover
 
     for stage in PREFILL_STAGES:
         PREFILL_STAGE.labels(stage)

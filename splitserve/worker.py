@@ -382,7 +382,7 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
                                f"{adv}:{role_spec.port}", f"http://{adv}:{role_spec.metrics_port}")
     await presence.start()
     if spec.engine_of(role) == "vllm":
-        from splitserve.vllm_engine.engine import launch
+        from splitserve.vllm_engine.launch import launch
 
         loader = asyncio.ensure_future(launch(spec, role, adv, vllm_url, stop))
     else:

@@ -16,15 +16,15 @@ import yaml
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import load
 from splitserve.engine.interface import BadTicket, HandoverFailed
-from splitserve.vllm_engine.engine import (
+from splitserve.vllm_engine.pull_handover import TICKET, check_ticket, parse_receipt
+from splitserve.vllm_engine.server import VllmPorts, command, environment
+from splitserve.vllm_engine.wire import (
     VllmProtocolError,
     parse_choice,
     parse_load,
     parse_logprobs,
     request_body,
 )
-from splitserve.vllm_engine.handover import TICKET, check_ticket, parse_receipt
-from splitserve.vllm_engine.server import VllmPorts, command, environment
 
 BIN = Path(sys.executable).parent / "splitserve"
 PORTS = VllmPorts(8200, 5557, 5600)
@@ -165,7 +165,7 @@ def test_what_the_engine_reads_off_vllm():
 def test_the_nixl_pacing_plugin_is_inert_unless_asked():
     """Against the installed NIXL, in fresh interpreters: with the variable, an agent configuration's progress
     delay (which NIXL's agent sets to 0) stays at the asked minimum; without it, nothing is patched."""
-    probe = ("from splitserve.vllm_engine.vllm_plugin import register\nregister()\nimport nixl._api as a\n"
+    probe = ("from splitserve.vllm_engine.in_vllm.vllm_plugin import register\nregister()\nimport nixl._api as a\n"
              "c = a.nixlBind.nixlAgentConfig()\nc.pthrDelay = 0\nprint(c.pthrDelay)\n")
     import os
 

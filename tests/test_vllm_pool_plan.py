@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from splitserve.common.config import ClusterResource
 from splitserve.common.hashing import hash_token_blocks
 from splitserve.common.redis_wire import PoolNamespace
-from splitserve.vllm_engine.pool_plan import PoolPlanner, PoolSettings, StatsDelta
+from splitserve.vllm_engine.in_vllm.pool_plan import PoolPlanner, PoolSettings, StatsDelta
 from splitserve.vllm_engine.pool_stats import PoolStatsMirror
 from splitserve.vllm_engine.server import VllmPorts, command, environment
 
@@ -117,7 +117,7 @@ def test_the_connector_settings_travel_in_the_kv_transfer_config():
     cmd = command(spec, "both", "/m", PORTS, pool_identity=("w-1.vllm-pool", "abc"))
     transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector"] == "SplitservePoolConnector" and transfer["kv_load_failure_policy"] == "recompute"
-    assert transfer["kv_connector_module_path"] == "splitserve.vllm_engine.pool_connector"
+    assert transfer["kv_connector_module_path"] == "splitserve.vllm_engine.in_vllm.pool_connector"
     settings = PoolSettings.from_extra(transfer["kv_connector_extra_config"])
     # a colocated worker writes as decode does: not with writeFrom [prefill]
     assert (settings.model, settings.worker, settings.instance_id, settings.min_load_tokens, settings.write,
@@ -204,7 +204,7 @@ def test_the_connector_imports_from_its_copied_files_alone(tmp_path):
 import sys
 sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # this checkout's splitserve
 sys.path = [{str(tmp_path / "py")!r}] + [p for p in sys.path if p]
-import redis, splitserve.vllm_engine.pool_connector as c
+import redis, splitserve.vllm_engine.in_vllm.pool_connector as c
 print(c.__file__, redis.__file__, c.SplitservePoolConnector.__name__)
 """
     res = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=300,
@@ -223,7 +223,7 @@ def test_an_unreachable_redis_answers_the_default_at_once_and_is_left_alone_for_
 
     from serving import free_port
 
-    from splitserve.vllm_engine.pool_plan import RedisHandle
+    from splitserve.vllm_engine.in_vllm.pool_plan import RedisHandle
 
     handle = RedisHandle(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2, backoff_s=30)
     assert handle.call(lambda r: r.ping(), "down") == "down" and handle.last_error == "redis"

@@ -1,6 +1,6 @@
 """The KV pool connector's files, for a vLLM image without splitserve installed (the stock `vllm/vllm-openai`).
 
-vLLM imports `splitserve.vllm_engine.pool_connector` by module path inside its own processes. On Kubernetes a
+vLLM imports `splitserve.vllm_engine.in_vllm.pool_connector` by module path inside its own processes. On Kubernetes a
 worker pod's init container (the worker image) runs `splitserve vllm-connector DIR` into an emptyDir that the
 vLLM container mounts read-only and puts on its PYTHONPATH. What is copied is the connector's import closure
 within splitserve and redis-py (pure Python both); numpy, torch and vLLM are the image's own.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 # splitserve's modules the connector imports (tests/test_vllm_pool_plan.py imports it from a copy alone)
 CONNECTOR_MODULES = ("splitserve", "splitserve.common", "splitserve.common.hashing", "splitserve.common.redis_wire",
-                     "splitserve.vllm_engine", "splitserve.vllm_engine.pool_plan",
-                     "splitserve.vllm_engine.pool_connector")
+                     "splitserve.vllm_engine", "splitserve.vllm_engine.in_vllm.pool_plan",
+                     "splitserve.vllm_engine.in_vllm.pool_connector")
 PACKAGES = ("redis",)  # copied whole
 
 

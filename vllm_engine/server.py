@@ -24,9 +24,9 @@ from typing import IO
 
 from splitserve.common.config import ClusterSpec, parse_memory
 from splitserve.common.proc import dying_with_me
-from splitserve.vllm_engine.pool_plan import EXTRA_KEY as POOL_EXTRA_KEY
-from splitserve.vllm_engine.pool_plan import REDIS_URL_ENV
-from splitserve.vllm_engine.vllm_plugin import ENV as PROGRESS_DELAY_ENV
+from splitserve.vllm_engine.in_vllm.pool_plan import EXTRA_KEY as POOL_EXTRA_KEY
+from splitserve.vllm_engine.in_vllm.pool_plan import REDIS_URL_ENV
+from splitserve.vllm_engine.in_vllm.vllm_plugin import ENV as PROGRESS_DELAY_ENV
 
 log = logging.getLogger("splitserve.vllm")
 
@@ -123,7 +123,7 @@ def kv_transfer_config(spec: ClusterSpec, role: str, pool_identity: tuple[str, s
                            "kv_buffer_device": "cpu" if is_cpu(spec) else "cuda"})
     if spec.kv_pool.enabled:
         connectors.append({"kv_connector": "SplitservePoolConnector", "kv_role": "kv_both",
-                           "kv_connector_module_path": "splitserve.vllm_engine.pool_connector",
+                           "kv_connector_module_path": "splitserve.vllm_engine.in_vllm.pool_connector",
                            "kv_connector_extra_config": pool_extra_config(spec, role, pool_identity)})
     if not connectors:
         return None

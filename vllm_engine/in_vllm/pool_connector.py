@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from splitserve.common.redis_wire import ChecksumError, KVEventRecord, PoolNamespace, WireError
-from splitserve.vllm_engine.pool_plan import (
+from splitserve.vllm_engine.in_vllm.pool_plan import (
     BlockLoad,
     PoolPlanner,
     PoolSettings,
