@@ -14,7 +14,7 @@ from pathlib import Path
 
 # splitserve's modules the connector imports (tests/test_vllm_pool_plan.py imports it from a copy alone)
 CONNECTOR_MODULES = ("splitserve", "splitserve.common", "splitserve.common.hashing", "splitserve.common.redis_wire",
-                     "splitserve.vllm_engine", "splitserve.vllm_engine.in_vllm.pool_plan",
+                     "splitserve.vllm_engine", "splitserve.vllm_engine.in_vllm", "splitserve.vllm_engine.in_vllm.pool_plan",
                      "splitserve.vllm_engine.in_vllm.pool_connector")
 PACKAGES = ("redis",)  # copied whole
 
