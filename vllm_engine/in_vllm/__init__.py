@@ -11,3 +11,23 @@ packages, HTTP client and gRPC are not in a stock vLLM image; `connector_files` 
   pool's reads before the forward, its writes after).
 - Both sides, and the worker beside vLLM: `pool_plan`'s settings and Redis store (plain Python, no vLLM).
 """
+
+import logging
+import os
+
+LOG_LEVEL_ENV = "SPLITSERVE_VLLM_LOG_LEVEL"
+
+
+def setup_logging() -> None:
+    """Our loggers inside vLLM's processes: vLLM configures only its own, so ours get a stderr handler (once),
+    at `SPLITSERVE_VLLM_LOG_LEVEL` (INFO by default)."""
+    root = logging.getLogger("splitserve")
+    if any(getattr(h, "_splitserve", False) for h in root.handlers):
+        return
+    handler = logging.StreamHandler()
+    handler._splitserve = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(f"(splitserve pid={os.getpid()}) %(levelname)s %(asctime)s "
+                                           "[%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
+    root.propagate = False

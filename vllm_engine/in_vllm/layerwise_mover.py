@@ -1,0 +1,630 @@
+"""The layer-wise push connector's worker side (each of vLLM's model-runner processes): it moves the KV.
+
+One NIXL agent per rank over this rank's KV cache, registered once, and one thread (`_run`) that makes every NIXL
+call but the metadata fetch (`_load`, on a thread of its own) and the metadata answer (`_serve`):
+
+- Prefill side (producers): each step the forward thread queues which requests the step computes (`begin_step`),
+  then each layer as its KV is written (`layer_saved`; on a GPU with a CUDA event recorded after it, which the
+  mover waits for), then the step's end. For a request whose ticket is in, each layer (or group of `layer_group`
+  layers) is one NIXL WRITE of its blocks touched so far into the decode server's reserved blocks, posted while the
+  forward goes on; layers computed before the ticket came go at once when it comes. Once every layer of the whole
+  prompt was posted and every write completed (NIXL's DONE: the bytes are in the receiver's memory), one
+  notification says so (`done_notice`). A write that fails, a decode rank that cannot be reached or the ticket's
+  deadline ends the transfer with an `abort_notice` once no write of it is in flight. The request's blocks are
+  held (vLLM's `request_finished` said so) until the transfer is over, or, without a ticket, until
+  `ticket_wait_seconds` after the request finished (or the worker said the ticket will not come).
+- Decode side (consumers): a reservation waits for its sender's notice. `done` lands it; `abort`, the worker's
+  `release` (its ticket was never published) or the ticket's deadline plus `GRACE_S` (no sender posts after the
+  deadline) fails it, and its blocks are reported as failed loads, so vLLM recomputes them (`kv_load_failure_policy:
+  recompute`); either way the request is reported finished receiving, never waited on forever.
+
+Every rank serves its agent's metadata and KV regions at the side channel (`AgentInfo`); a prefill rank fetches
+its decode peer's once per agent (a restarted server is a new agent: the old one is dropped when a new agent
+answers at its address, or when a write to it fails). Where UCX says which transport it picked (`ucx_transport`),
+the first transfer to a peer reports it to the worker beside vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from splitserve.vllm_engine.in_vllm.control_link import ControlLink
+from splitserve.vllm_engine.in_vllm.layerwise_plan import LayerwiseStepPlan, ProducerPlan
+from splitserve.vllm_engine.in_vllm.layerwise_wire import (
+    AgentInfo,
+    LayerwiseSettings,
+    LayerwiseTicket,
+    Region,
+    WireError,
+    abort_notice,
+    done_notice,
+    now,
+    parse_notice,
+)
+from splitserve.vllm_engine.in_vllm.ucx_transport import UcxLog
+
+log = logging.getLogger("splitserve.vllm_layerwise")
+
+# seconds between polls while a write is in flight or a reservation waits (UCX progresses only inside our calls)
+SPIN_S = float(os.environ.get("SPLITSERVE_VLLM_KV_POLL_US", "0")) * 1e-6 or None
+IDLE_MAX_S = 0.05  # the poll's backoff at rest
+GRACE_S = 2.0  # after a ticket's deadline, for a write posted just before it to land
+FETCH_TIMEOUT_S = 5.0  # a decode rank's metadata
+EARLY_KEEP_S = 120.0  # a notice or release that came before its reservation is kept this long
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class _Peer:
+    endpoint: str
+    info: AgentInfo
+    prep: Any  # the remote prepped descriptor list
+    row_offsets: np.ndarray  # first flat index of each (layer, region) row of its list
+    reported: bool = False
+
+
+@dataclass
+class _Producer:
+    key: str
+    req_id: str | None = None
+    block_ids: tuple[int, ...] = ()
+    num_prompt: int = 0
+    computed: int = 0  # tokens whose KV is in this rank's cache for every layer
+    ticket: LayerwiseTicket | None = None
+    peer: _Peer | None = None
+    sent: list[int] = field(default_factory=list)  # per layer: tokens posted (or not needed) so far
+    inflight: deque = field(default_factory=deque)  # (handle, bytes)
+    bytes_done: int = 0
+    failed: str = ""  # why the transfer stopped (no more writes)
+    over: bool = False  # nothing of it is in flight or will be posted any more
+    finished: bool = False  # vLLM finished the request (its blocks wait for us)
+    dropped: bool = False  # its ticket will not come
+    created: float = field(default_factory=time.monotonic)
+    finished_at: float = 0.0
+    reported: bool = False  # its req id went to vLLM as finished sending
+
+
+@dataclass
+class _Consumer:
+    req_id: str
+    key: str
+    block_ids: tuple[int, ...]
+    deadline: float
+
+
+class LayerwiseMover:
+    def __init__(self, settings: LayerwiseSettings, engine: str, dp_rank: int, tp_rank: int, tp_size: int,
+                 block_size: int, num_blocks: int) -> None:
+        self.settings = settings
+        self.engine, self.dp_rank, self.tp_rank, self.tp_size = engine, dp_rank, tp_rank, tp_size
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.agent_name = f"ss-{engine}-dp{dp_rank}-tp{tp_rank}"
+        self.endpoint = f"tcp://{settings.side_channel_host}:{settings.side_channel_port + dp_rank * tp_size + tp_rank}"
+        self._q: queue.Queue[tuple] = queue.Queue()
+        self._loads: queue.Queue[tuple[str, LayerwiseTicket] | None] = queue.Queue()
+        self._lock = threading.Lock()  # what the forward thread reads: results
+        self._sending_over: set[str] = set()  # finished producers' req ids whose transfer is over, to report
+        self._recv_over: list[tuple[str, tuple[int, ...] | None]] = []  # (req id, failed block ids or None)
+        self._producers: dict[str, _Producer] = {}  # key -> producer
+        self._by_req: dict[str, str] = {}  # producer req id -> key
+        self._consumers: dict[str, _Consumer] = {}  # key -> reservation
+        self._early: dict[str, tuple[float, tuple]] = {}  # key -> (when, notice or release) before its reservation
+        self._peers: dict[str, _Peer] = {}  # agent name -> peer
+        self._peers_lock = threading.Lock()  # the loader thread adds peers, the mover thread drops them
+        self._closed = threading.Event()
+        self._step: list[ProducerPlan] = []  # this step's producers (forward thread)
+        self._cuda = False
+        self.ucx = UcxLog.configure()  # before the agent: UCX reads its environment once
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        # no progress thread (it spins a core); UCX progresses inside our calls, which STRICT serializes
+        self.nixl = nixl_agent(self.agent_name, nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+        self.link = ControlLink(settings.control, "worker", dp_rank, tp_rank, engine, self._on_control)
+        self._threads: list[threading.Thread] = []
+
+    # == setup (vLLM's register_kv_caches) ========================================================================
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=lambda n: (_layer_index(n), list(kv_caches).index(n)))
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        regions: list[Region] = []
+        per_layer = 0
+        first = kv_caches[names[0]]
+        self._cuda = first.is_cuda
+        self.mem_type = "VRAM" if first.is_cuda else "DRAM"
+        self.device_id = first.device.index or 0
+        for name in names:
+            rs = _regions(kv_caches[name], self.num_blocks, name)
+            if per_layer and len(rs) != per_layer:
+                raise ValueError(f"layer {name}: {len(rs)} KV regions, other layers {per_layer}")
+            per_layer = len(rs)
+            regions += rs
+        self.regions = tuple(regions)
+        self.regions_per_layer = per_layer
+        self.num_layers = len(names)
+        storages: dict[int, int] = {}
+        for kv in kv_caches.values():
+            s = kv.untyped_storage()
+            storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        self._reg = self.nixl.register_memory([(ptr, n, self.device_id, "") for ptr, n in storages.items()],
+                                              self.mem_type)
+        self._local_prep, self._local_offsets = _prep(self.nixl, "NIXL_INIT_AGENT", self.regions, self.device_id,
+                                                      self.mem_type)
+        self.info = AgentInfo(self.agent_name, self.nixl.get_agent_metadata(), self.mem_type, self.device_id,
+                              per_layer, self.regions)
+        self._server = zmq.Context.instance().socket(zmq.REP)
+        self._server.setsockopt(zmq.LINGER, 0)
+        try:
+            self._server.bind(self.endpoint)
+        except zmq.ZMQError as e:
+            raise RuntimeError(f"the layerwise KV connector cannot serve its NIXL metadata at {self.endpoint}: {e} "
+                               f"(vllm.sideChannelPort)") from None
+        self._threads = [threading.Thread(target=self._run, name="splitserve-kv-mover", daemon=True),
+                         threading.Thread(target=self._load_loop, name="splitserve-kv-peers", daemon=True),
+                         threading.Thread(target=self._serve, name="splitserve-kv-meta", daemon=True)]
+        for t in self._threads:
+            t.start()
+        log.info("layerwise KV connector: agent %s, %d layers x %d regions, %d blocks, metadata at %s",
+                 self.agent_name, self.num_layers, per_layer, self.num_blocks, self.endpoint)
+
+    # == the forward thread's calls ===============================================================================
+    def begin_step(self, plan: LayerwiseStepPlan) -> None:
+        self._step = plan.producers
+        if plan.reservations or plan.producers:
+            self._q.put(("step", plan))
+
+    def layer_saved(self, layer_name: str) -> None:
+        if not self._step:
+            return
+        event = None
+        if self._cuda:  # the layer's KV is written once the work queued so far on this stream has run
+            event = torch.cuda.Event()
+            event.record()
+        self._q.put(("layer", self._step, self.layer_index[layer_name], event))
+
+    def step_done(self) -> None:
+        if self._step:
+            self._q.put(("end", self._step))
+            self._step = []
+
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[int]]:
+        """(finished sending, finished receiving, block ids whose load failed) since the last call."""
+        if finished_req_ids:  # after this step's own items: a request is known before its finish
+            self._q.put(("finished", frozenset(finished_req_ids)))
+        with self._lock:
+            sending, self._sending_over = self._sending_over, set()
+            recv, self._recv_over = self._recv_over, []
+        errors: set[int] = set()
+        for _, failed in recv:
+            errors.update(failed or ())
+        return sending, {r for r, _ in recv}, errors
+
+    # == the control line (the worker beside vLLM) ================================================================
+    def _on_control(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind == "ticket":
+            try:
+                ticket = LayerwiseTicket.from_json(fields["ticket"])
+            except WireError as e:
+                log.warning("a ticket from the worker did not validate: %s", e)
+                return
+            self._q.put(("ticket", fields["key"], ticket))
+        elif kind in ("drop", "release"):
+            self._q.put((kind, fields["key"]))
+
+    # == the mover thread ==========================================================================================
+    def _run(self) -> None:
+        idle = 0.0
+        spin = SPIN_S or (2e-4 if self._cuda else 1e-3)
+        while not self._closed.is_set():
+            busy = any(p.inflight or (p.ticket and not p.over) for p in self._producers.values()) or self._consumers
+            try:
+                item = self._q.get(timeout=spin if busy else max(idle, 1e-3))
+            except queue.Empty:
+                item = None
+            try:
+                while item is not None:
+                    self._handle(item)
+                    item = self._q.get_nowait()
+            except queue.Empty:
+                pass
+            got = self._poll()
+            idle = 0.0 if busy or got or item is not None else min(IDLE_MAX_S, max(1e-3, 2 * idle))
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        log.debug("mover: %s %s", kind, str(item[1:])[:200])
+        if kind == "step":
+            plan: LayerwiseStepPlan = item[1]
+            for r in plan.reservations:
+                c = _Consumer(r.req_id, r.key, r.block_ids, r.deadline)
+                self._consumers[r.key] = c
+                early = self._early.pop(r.key, None)
+                if early is not None:
+                    self._on_notice(*early[1])
+            for pp in plan.producers:
+                p = self._producer(pp.key)
+                if p.req_id is None:
+                    p.req_id = pp.req_id
+                    self._by_req[pp.req_id] = pp.key
+                p.block_ids, p.num_prompt = pp.block_ids, pp.num_prompt
+        elif kind == "layer":
+            _, step, layer, event = item
+            if event is not None:
+                event.synchronize()
+            for pp in step:
+                p = self._producers.get(pp.key)
+                if p is not None:
+                    self._send(p, layer + 1, pp.end, pp.block_ids)
+        elif kind == "end":
+            for pp in item[1]:
+                p = self._producers.get(pp.key)
+                if p is not None:
+                    p.computed = max(p.computed, pp.end)
+                    self._send(p, self.num_layers, p.computed, pp.block_ids)
+        elif kind == "ticket":
+            _, key, ticket = item
+            p = self._producer(key)
+            if p.ticket is not None or p.over:
+                return
+            p.ticket = ticket
+            if ticket.tp_size != self.tp_size:
+                self._fail(p, f"prefill TP={self.tp_size} into decode TP={ticket.tp_size}: the layerwise "
+                              "connector moves equal shards only")
+                return
+            p.sent = [ticket.first_block * ticket.block_size] * self.num_layers
+            self._loads.put((key, ticket))
+        elif kind == "ready":
+            _, key, peer, error = item
+            p = self._producers.get(key)
+            if p is None or p.over:
+                return
+            if peer is None:
+                self._fail(p, error)
+            else:
+                p.peer = peer
+                self._send(p, self.num_layers, p.computed, p.block_ids)
+        elif kind == "drop":
+            p = self._producers.get(item[1])
+            if p is not None and p.ticket is None:
+                p.dropped = True
+                self._over(p)
+        elif kind == "release":
+            self._on_notice("A", item[1], 0, "the ticket was never published")
+        elif kind == "finished":
+            for req_id in item[1]:
+                key = self._by_req.get(req_id)
+                p = self._producers.get(key) if key else None
+                if p is not None:
+                    p.finished, p.finished_at = True, time.monotonic()
+                    self._report(p)
+
+    def _producer(self, key: str) -> _Producer:
+        p = self._producers.get(key)
+        if p is None:
+            p = self._producers[key] = _Producer(key)
+        return p
+
+    # -- prefill side: writes ------------------------------------------------------------------------------------
+    def _send(self, p: _Producer, layers_done: int, end: int, block_ids: tuple[int, ...]) -> None:
+        """Post what layers [0, layers_done) hold of tokens [sent, end) and the ticket wants: runs of consecutive
+        layers with the same range go as one write, `layer_group` layers at a time while layers are still
+        coming."""
+        t, peer = p.ticket, p.peer
+        if t is None or peer is None or p.failed or p.over:
+            return
+        if now() > t.deadline:  # no write is posted after it: the receiver counts on that
+            self._fail(p, "the ticket's deadline passed")
+            return
+        end = min(end, t.num_tokens)
+        group = self.settings.layer_group
+        todo = [j for j in range(layers_done) if p.sent[j] < end]
+        if not todo:
+            self._maybe_done(p)
+            return
+        # while the forward goes on, wait for a whole group (the last layers of a step go as they are)
+        if layers_done < self.num_layers and len(todo) < group:
+            return
+        start = 0
+        while start < len(todo):
+            stop = start + 1
+            while stop < len(todo) and todo[stop] == todo[stop - 1] + 1 and p.sent[todo[stop]] == p.sent[todo[start]]:
+                stop += 1
+            layers = todo[start:stop]
+            try:
+                self._post(p, peer, t, layers, p.sent[layers[0]], end, block_ids)
+            except RuntimeError as e:  # NIXL refused the write (the peer is gone): no more writes
+                self._fail(p, f"write to {peer.info.agent}: {e}", drop_peer=True)
+                return
+            for j in layers:
+                p.sent[j] = end
+            start = stop
+        self._maybe_done(p)
+
+    def _post(self, p: _Producer, peer: _Peer, t: LayerwiseTicket, layers: list[int], a: int, b: int,
+              block_ids: tuple[int, ...]) -> None:
+        bs = t.block_size
+        a = max(a, t.first_block * bs)
+        if a >= b:
+            return
+        blk0, blk1 = a // bs, (b - 1) // bs + 1
+        src = np.asarray(block_ids[blk0:blk1], dtype=np.int64)
+        dst = np.asarray(t.block_ids[blk0 - t.first_block:blk1 - t.first_block], dtype=np.int64)
+        if len(src) != blk1 - blk0:
+            raise RuntimeError(f"{p.key}: the request holds {len(block_ids)} blocks, {blk1} needed")
+        per = self.regions_per_layer
+        rows = (np.asarray(layers, dtype=np.int64)[:, None] * per + np.arange(per)[None, :]).reshape(-1)
+        local = (self._local_offsets[rows][:, None] + src[None, :]).reshape(-1)
+        remote = (peer.row_offsets[rows][:, None] + dst[None, :]).reshape(-1)
+        nbytes = int(sum(self.regions[r].block_bytes for r in rows)) * len(src)
+        handle = self.nixl.make_prepped_xfer("WRITE", self._local_prep, local.astype(np.int32), peer.prep,
+                                             remote.astype(np.int32))
+        if self.nixl.transfer(handle) == "ERR":
+            self.nixl.release_xfer_handle(handle)
+            raise RuntimeError("NIXL refused the write")
+        p.inflight.append((handle, nbytes))
+
+    def _reap(self, p: _Producer) -> None:
+        while p.inflight:
+            handle, nbytes = p.inflight[0]
+            state = self.nixl.check_xfer_state(handle)
+            if state not in ("DONE", "ERR"):
+                return
+            p.inflight.popleft()
+            self.nixl.release_xfer_handle(handle)
+            if state == "ERR":
+                self._fail(p, f"NIXL reported a failed write to {p.peer.info.agent if p.peer else '?'}",
+                           drop_peer=True)
+                return
+            p.bytes_done += nbytes
+            self._report_transport(p)
+
+    def _maybe_done(self, p: _Producer) -> None:
+        t = p.ticket
+        if t is None or p.failed or p.over or p.inflight or p.peer is None:
+            return
+        if min(p.sent) >= t.num_tokens:
+            try:
+                self.nixl.send_notif(p.peer.info.agent, done_notice(t.key, p.bytes_done))
+            except Exception as e:  # noqa: BLE001  (NIXL raises its own error types) the receiver times it out
+                self._fail(p, f"the final notice to {p.peer.info.agent}: {e}", drop_peer=True)
+                return
+            self.link.send("sent", key=p.key, ok=True, bytes=p.bytes_done, reason="", rank=self.tp_rank)
+            self._over(p)
+
+    def _fail(self, p: _Producer, reason: str, drop_peer: bool = False) -> None:
+        """No more writes; the abort notice goes once none is in flight (`_poll`), or now."""
+        if p.failed or p.over:
+            return
+        p.failed = reason
+        log.warning("layerwise KV transfer %s stopped: %s", p.key, reason)
+        if drop_peer and p.peer is not None:
+            self._drop_peer(p.peer.info.agent)
+        self._finish_failed(p)
+
+    def _finish_failed(self, p: _Producer) -> None:
+        if p.inflight and now() < (p.ticket.deadline if p.ticket else 0) + GRACE_S:
+            return  # still in flight: the notice must not overtake them
+        for handle, _ in p.inflight:
+            try:
+                self.nixl.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001  a write NIXL cannot cancel: its deadline has passed anyway
+                pass
+        p.inflight.clear()
+        if p.ticket is not None and p.peer is not None and p.peer.info.agent in self._peers:
+            try:
+                self.nixl.send_notif(p.peer.info.agent, abort_notice(p.ticket.key, p.failed))
+            except Exception:  # noqa: BLE001  the receiver's deadline covers a notice that cannot go
+                pass
+        if p.ticket is not None:
+            self.link.send("sent", key=p.key, ok=False, bytes=p.bytes_done, reason=p.failed[:300], rank=self.tp_rank)
+        self._over(p)
+
+    def _over(self, p: _Producer) -> None:
+        p.over = True
+        self._report(p)
+
+    def _report(self, p: _Producer) -> None:
+        """A producer vLLM finished whose transfer is over: its blocks may go (reported once)."""
+        if p.over and p.finished and p.req_id is not None and not p.reported:
+            p.reported = True
+            with self._lock:
+                self._sending_over.add(p.req_id)
+
+    def _report_transport(self, p: _Producer) -> None:
+        peer = p.peer
+        if peer is None or peer.reported:
+            return
+        peer.reported = True
+        new = [t for t in self.ucx.read() if self.agent_name.startswith(t.worker) and t.scope != "self"]
+        table = new[-1] if new else self.ucx.transport_for(self.agent_name)
+        if table is None:
+            peer.reported = False  # not logged yet: asked again at the next write that completes
+            return
+        self.link.send("transport", peer=peer.info.agent, host=peer.endpoint, transport=table.transport,
+                       local_mem=self.mem_type, remote_mem=peer.info.mem_type, rank=self.tp_rank)
+
+    # -- decode side: notices --------------------------------------------------------------------------------------
+    def _on_notice(self, kind: str, key: str, nbytes: int, reason: str) -> None:
+        c = self._consumers.pop(key, None)
+        if c is None:
+            self._early[key] = (time.monotonic(), (kind, key, nbytes, reason))
+            return
+        ok = kind == "D"
+        if not ok:
+            log.warning("layerwise KV for %s did not land (%s): vLLM recomputes it", key, reason)
+        with self._lock:
+            self._recv_over.append((c.req_id, None if ok else c.block_ids))
+        self.link.send("landed", key=key, ok=ok, bytes=nbytes, reason=reason[:300], rank=self.tp_rank)
+
+    def _poll(self) -> bool:
+        """Progress writes and notices, apply deadlines; whether anything happened."""
+        got = False
+        try:
+            notifs = self.nixl.get_new_notifs()
+        except Exception as e:  # noqa: BLE001  the agent is shutting down
+            log.debug("nixl notif poll: %s", e)
+            return False
+        for msgs in notifs.values():
+            for msg in msgs:
+                parsed = parse_notice(msg)
+                if parsed is not None:
+                    got = True
+                    self._on_notice(*parsed)
+        t = now()
+        for p in list(self._producers.values()):
+            if p.inflight:
+                self._reap(p)
+                self._maybe_done(p)
+            if p.failed and not p.over:
+                self._finish_failed(p)
+            elif p.ticket is not None and not p.over and t > p.ticket.deadline:
+                self._fail(p, "the ticket's deadline passed")
+            elif p.ticket is None and not p.over and p.finished and \
+                    time.monotonic() - p.finished_at > self.settings.ticket_wait_seconds:
+                self._over(p)  # no ticket came: nothing was sent
+            if p.over and (p.reported or p.req_id is None) and not p.inflight:
+                if p.req_id is None and time.monotonic() - p.created < EARLY_KEEP_S:
+                    continue  # a ticket before its request: keep it for the request
+                self._producers.pop(p.key, None)
+                if p.req_id is not None:
+                    self._by_req.pop(p.req_id, None)
+        for c in list(self._consumers.values()):
+            if t > c.deadline + GRACE_S:
+                self._on_notice("A", c.key, 0, "the ticket's deadline passed")
+        if self._early:
+            cutoff = time.monotonic() - EARLY_KEEP_S
+            for key in [k for k, (when, _) in self._early.items() if when < cutoff]:
+                self._early.pop(key, None)
+        return got
+
+    # -- peers ---------------------------------------------------------------------------------------------------
+    def _load_loop(self) -> None:
+        while (item := self._loads.get()) is not None:
+            key, ticket = item
+            try:
+                peer = self._peer(ticket)
+            except (WireError, RuntimeError, zmq.ZMQError) as e:
+                self._q.put(("ready", key, None, f"decode rank {ticket.rank_endpoint(self.tp_rank)}: {e}"))
+            else:
+                self._q.put(("ready", key, peer, ""))
+
+    def _peer(self, ticket: LayerwiseTicket) -> _Peer:
+        name = f"ss-{ticket.engine}-dp{ticket.dp_rank}-tp{self.tp_rank}"
+        with self._peers_lock:
+            peer = self._peers.get(name)
+        if peer is not None:
+            return peer
+        endpoint = ticket.rank_endpoint(self.tp_rank)
+        info = AgentInfo.decode(_fetch(endpoint))
+        if info.agent != name:
+            raise WireError(f"the agent there is {info.agent!r}, the ticket names {name!r} (a restarted server?)")
+        if info.shape() != (self.num_layers, tuple(r.block_bytes for r in self.regions[:self.regions_per_layer])):
+            raise WireError(f"its KV layout {info.shape()} differs from this server's "
+                            f"{(self.num_layers, tuple(r.block_bytes for r in self.regions[:self.regions_per_layer]))}")
+        with self._peers_lock:
+            stale = [n for n, p in self._peers.items() if p.endpoint == endpoint]
+        for old in stale:
+            log.info("dropping NIXL agent %s: %s answers at %s now", old, name, endpoint)
+            self._drop_peer(old)
+        try:
+            self.nixl.add_remote_agent(info.metadata)
+            prep, offsets = _prep(self.nixl, info.agent, info.regions, info.device_id, info.mem_type)
+        except Exception as e:  # noqa: BLE001  NIXL's own errors: the metadata did not load
+            raise RuntimeError(f"NIXL could not load agent {info.agent}: {e}") from None
+        peer = _Peer(endpoint, info, prep, offsets)
+        with self._peers_lock:
+            self._peers[name] = peer
+        log.info("NIXL agent %s loaded (%s)", name, endpoint)
+        return peer
+
+    def _drop_peer(self, name: str) -> None:
+        with self._peers_lock:
+            peer = self._peers.pop(name, None)
+        if peer is None:
+            return
+        try:
+            self.nixl.remove_remote_agent(name)
+        except Exception as e:  # noqa: BLE001  already gone in NIXL: nothing left to drop
+            log.debug("remove_remote_agent %s: %s", name, e)
+
+    def _serve(self) -> None:
+        """Answer every request at the side channel with this rank's `AgentInfo`."""
+        raw = self.info.encode()
+        poller = zmq.Poller()
+        poller.register(self._server, zmq.POLLIN)
+        while not self._closed.is_set():
+            if not poller.poll(200):
+                continue
+            try:
+                self._server.recv(zmq.NOBLOCK)
+                self._server.send(raw)
+            except zmq.ZMQError as e:
+                log.debug("metadata server: %s", e)
+        self._server.close(linger=0)
+
+    def shutdown(self) -> None:
+        self._closed.set()
+        self._loads.put(None)
+        for t in self._threads:
+            t.join(timeout=2.0)
+        self.link.close()
+
+
+def _layer_index(name: str) -> int:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else 1 << 30
+
+
+def _regions(kv: torch.Tensor, num_blocks: int, name: str) -> list[Region]:
+    """A layer's cache as NIXL regions: blocks on axis 0 (one region: each block K and V together), or on axis 1
+    of a [2, num_blocks, ...] tensor (two regions, K and V); each block must be contiguous."""
+    elsize = kv.element_size()
+    if kv.shape[0] == num_blocks and kv[0].is_contiguous():
+        return [Region(kv.data_ptr(), kv[0].numel() * elsize, kv.stride(0) * elsize, num_blocks)]
+    if kv.ndim > 2 and kv.shape[0] == 2 and kv.shape[1] == num_blocks and kv[0, 0].is_contiguous():
+        return [Region(kv[i].data_ptr(), kv[i, 0].numel() * elsize, kv.stride(1) * elsize, num_blocks) for i in (0, 1)]
+    raise ValueError(f"the layerwise KV connector cannot lay out layer {name}'s cache {tuple(kv.shape)} "
+                     f"strides {kv.stride()} ({num_blocks} blocks)")
+
+
+def _prep(nixl, agent: str, regions: tuple[Region, ...], device_id: int, mem_type: str) -> tuple[Any, np.ndarray]:
+    """A prepped descriptor list of every block of every region (row r's block b at offsets[r] + b): strided rows
+    where this NIXL takes them, one descriptor per block otherwise."""
+    counts = np.asarray([r.num_blocks for r in regions], dtype=np.int64)
+    offsets = np.cumsum(counts) - counts
+    rows = np.asarray([(r.addr, r.block_bytes, device_id, r.stride, r.num_blocks) for r in regions], dtype=np.int64)
+    try:
+        return nixl.prep_xfer_dlist(agent, rows, mem_type), offsets
+    except (TypeError, ValueError, AttributeError):  # a NIXL without strided lists (before 1.5): expand them
+        flat = np.concatenate([np.stack([r.addr + np.arange(r.num_blocks, dtype=np.int64) * r.stride,
+                                         np.full(r.num_blocks, r.block_bytes), np.full(r.num_blocks, device_id)],
+                                        axis=1) for r in regions])
+        return nixl.prep_xfer_dlist(agent, flat, mem_type), offsets
+
+
+def _fetch(endpoint: str) -> bytes:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(FETCH_TIMEOUT_S * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, int(FETCH_TIMEOUT_S * 1000))
+    try:
+        sock.connect(endpoint)
+        sock.send(b"meta")
+        return sock.recv()
+    except zmq.Again:
+        raise RuntimeError(f"no answer within {FETCH_TIMEOUT_S:.0f} s") from None
+    finally:
+        sock.close(linger=0)
