@@ -28,11 +28,11 @@ log = logging.getLogger("splitserve.decode_worker")
 
 
 async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeService:
-    if spec.engine_of("decode") == "vllm":  # vLLM's own pull (NixlConnector) moves the KV
-        from splitserve.vllm_engine.pull_handover import VllmDecodeHandover
+    if spec.engine_of("decode") == "vllm":  # a KV connector inside vLLM moves the KV (vllm.connector)
+        from splitserve.vllm_engine.connectors import decode_handover
 
         _label_series(with_handover=True)
-        return DecodeService(engine, VllmDecodeHandover(engine), ctx.membership, spec.decode.disagg_threshold,
+        return DecodeService(engine, decode_handover(spec, engine), ctx.membership, spec.decode.disagg_threshold,
                              spec.kv_transfer.timeout_seconds)
     # one agent per tensor-parallel rank, each over its own KV shard, composed on this rank (rank 0)
     agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "decode")

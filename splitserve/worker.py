@@ -174,10 +174,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortResponse(found=True)
 
     async def Health(self, request, context):
+        control = getattr(self.engine, "control", None)  # engine vllm with the layerwise connector
         return pb.HealthResponse(live=not self.dead, ready=self.ready, role=self.role, draining=self.draining,
                                  model=self.spec.model.served_name, protocol_version=PROTOCOL_VERSION,
                                  engine=self.spec.engine_of(self.role),
-                                 capabilities=["resume"] if self.role != "prefill" else [])
+                                 capabilities=["resume"] if self.role != "prefill" else [],
+                                 kv_connector=self.kv_connector,
+                                 kv_transports=control.transports if control is not None else {})
+
+    @property
+    def kv_connector(self) -> str:
+        """engine vllm in disaggregated mode: its KV connector (vllm.connector); empty otherwise."""
+        if self.spec.engine_of(self.role) != "vllm" or self.role == "both" or self.spec.mode != "disaggregated":
+            return ""
+        return self.spec.vllm.connector
 
     @property
     def dead(self) -> bool:

@@ -26,6 +26,7 @@ from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockSto
 from splitserve.common.sampling import Logprob, SamplingParams
 from splitserve.engine.interface import KVEventListener, ModelFacts
 from splitserve.engine.outputs import RequestOutput
+from splitserve.vllm_engine.control import ControlServer
 from splitserve.vllm_engine.kv_events import VllmEventError, VllmKVEventBridge
 from splitserve.vllm_engine.server import EVENTS_TOPIC, VllmServer, is_cpu
 from splitserve.vllm_engine.wire import (
@@ -82,7 +83,8 @@ class VllmEngine:
     """The engine a vLLM worker's roles use (see the module's docstring)."""
 
     def __init__(self, spec: ClusterSpec, base_url: str, events_endpoint: str, facts: ModelFacts,
-                 server: VllmServer | None = None, events: Any = None, pool_worker: str | None = None) -> None:
+                 server: VllmServer | None = None, events: Any = None, pool_worker: str | None = None,
+                 control: ControlServer | None = None, side_channel: tuple[str, int] = ("", 0)) -> None:
         self.spec = spec
         self.base_url = base_url
         self.events_endpoint = events_endpoint
@@ -102,6 +104,8 @@ class VllmEngine:
         self._client: httpx.AsyncClient | None = None
         self._zmq: Any = events  # the bound SUB socket (`events_socket`), or None: bound at start
         self.pool_worker = pool_worker  # the name its server's KV pool connector writes events and stats under
+        self.control = control  # the line to its server's layerwise connector (vllm.connector layerwise)
+        self.side_channel = side_channel  # (host, port) where its server's ranks serve their NIXL metadata
 
     # -- lifetime ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -110,6 +114,8 @@ class VllmEngine:
         self._client = httpx.AsyncClient(base_url=self.base_url, limits=limits,
                                          timeout=httpx.Timeout(10.0, read=None))
         self._tasks = [asyncio.ensure_future(self._watch()), asyncio.ensure_future(self._events())]
+        if self.control is not None:
+            self.control.start()
         url = self.spec.redis.resolved_url()
         if self.pool_worker is not None and url:  # the pool connector's counters, on this worker's /metrics
             from splitserve.common.redis_link import RedisLink
@@ -221,6 +227,8 @@ class VllmEngine:
     async def aclose(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.control is not None:
+            await self.control.close()
         if self._client is not None:
             await self._client.aclose()
 

@@ -15,8 +15,10 @@ import httpx
 from splitserve.common.config import ClusterSpec
 from splitserve.common.model_files import resolve_model
 from splitserve.common.proc import free_ports
+from splitserve.vllm_engine.connectors import connector
+from splitserve.vllm_engine.control import ControlServer
 from splitserve.vllm_engine.engine import VllmEngine, events_socket, model_facts
-from splitserve.vllm_engine.server import VllmPorts, VllmServer, command, environment
+from splitserve.vllm_engine.server import VllmPorts, VllmServer, command, disaggregated, environment
 from splitserve.vllm_engine.wire import parse_load
 
 log = logging.getLogger("splitserve.vllm")
@@ -30,8 +32,9 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
     server = None
     events = None
     pool_worker = None
+    control = None
     if attach_url is None:
-        ports = VllmPorts(*free_ports(3))
+        ports = VllmPorts(*free_ports(4))
         url = f"http://127.0.0.1:{ports.http}"
         events = events_socket(f"tcp://127.0.0.1:{ports.events}")
         # the pool connector's name: unique per server on this host (a server rendered for a pod names itself)
@@ -42,10 +45,13 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
         server.start()
     else:
         pool_worker = f"{socket.gethostname()}.vllm-pool" if spec.kv_pool.enabled else None
-        ports = VllmPorts(0, spec.vllm.events_port, spec.vllm.side_channel_port)
+        ports = VllmPorts(0, spec.vllm.events_port, spec.vllm.side_channel_port, spec.vllm.control_port)
         url = attach_url.rstrip("/")
         events = events_socket(f"tcp://127.0.0.1:{ports.events}")
         server = VllmServer([], {}, url, spec.vllm.startup_seconds)  # not ours to start or stop: health only
+    if disaggregated(spec, role) and connector(spec).control:  # bound before the server's connectors dial it
+        control = ControlServer(f"tcp://127.0.0.1:{ports.control}", spec.model.tensor_parallel_size)
+        control.bind()
     flag = threading.Event()
     watcher = asyncio.ensure_future(stop.wait()) if stop is not None else None
     if watcher is not None:
@@ -54,6 +60,8 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
         await asyncio.to_thread(server.wait_healthy, flag)
     except BaseException:
         events.close(linger=0)
+        if control is not None:
+            await control.close()
         if attach_url is None:
             await asyncio.to_thread(server.stop)
         raise
@@ -70,7 +78,8 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
         raise ValueError("the vLLM server did not report its max_model_len")
     facts = model_facts(spec, model_dir, max_len, parse_load(metrics).num_kv_blocks)
     engine = VllmEngine(spec, url, f"tcp://127.0.0.1:{ports.events}", facts,
-                        server if attach_url is None else None, events, pool_worker)
+                        server if attach_url is None else None, events, pool_worker, control,
+                        (side_channel_host, ports.side_channel))
     await engine.start()
     log.info("vLLM serving %s at %s (%d KV blocks of %d tokens)", facts.name, url, facts.num_kv_blocks,
              facts.block_size)

@@ -24,8 +24,10 @@ from typing import IO
 
 from splitserve.common.config import ClusterSpec, parse_memory
 from splitserve.common.proc import dying_with_me
+from splitserve.vllm_engine.connectors import connector
 from splitserve.vllm_engine.in_vllm.pool_plan import EXTRA_KEY as POOL_EXTRA_KEY
 from splitserve.vllm_engine.in_vllm.pool_plan import REDIS_URL_ENV
+from splitserve.vllm_engine.in_vllm.ucx_transport import LOG_DIR_ENV as UCX_LOG_DIR_ENV
 from splitserve.vllm_engine.in_vllm.vllm_plugin import ENV as PROGRESS_DELAY_ENV
 
 log = logging.getLogger("splitserve.vllm")
@@ -40,7 +42,8 @@ class VllmStartError(RuntimeError):
 class VllmPorts:
     http: int  # its OpenAI API, /health and /metrics
     events: int  # its KV event publisher (ZMQ PUB)
-    side_channel: int  # the NixlConnector's handshake (disaggregated roles)
+    side_channel: int  # NIXL's handshake or metadata (disaggregated roles)
+    control: int = 0  # the worker's line to the layerwise connector (ZMQ, loopback)
 
 
 def is_cpu(spec: ClusterSpec) -> bool:
@@ -107,20 +110,20 @@ def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: 
     cmd += ["--kv-events-config", json.dumps({
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ports.events}",
         "topic": EVENTS_TOPIC})]
-    transfer = kv_transfer_config(spec, role, pool_identity)
+    transfer = kv_transfer_config(spec, role, pool_identity, ports.control)
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
     return cmd + list(spec.vllm.args) + list(spec.role(role).engine.vllm_args)
 
 
-def kv_transfer_config(spec: ClusterSpec, role: str, pool_identity: tuple[str, str] | None = None) -> dict | None:
-    """vLLM's KV connectors for the role: the NixlConnector (disaggregated roles), our KV pool connector
-    (`kvPool.enabled`), or both in a MultiConnector (NIXL first: a remote prefill's pull wins). A load that
-    fails is recomputed by vLLM, never an error."""
+def kv_transfer_config(spec: ClusterSpec, role: str, pool_identity: tuple[str, str] | None = None,
+                       control_port: int = 0) -> dict | None:
+    """vLLM's KV connectors for the role: the handover's (disaggregated roles, `vllm.connector`: `connectors`),
+    our KV pool connector (`kvPool.enabled`), or both in a MultiConnector (the handover's first: a remote prefill's
+    KV wins). A load that fails is recomputed by vLLM, never an error."""
     connectors = []
     if disaggregated(spec, role):
-        connectors.append({"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                           "kv_buffer_device": "cpu" if is_cpu(spec) else "cuda"})
+        connectors.append(connector(spec).entry(spec, is_cpu(spec), control_port or spec.vllm.control_port))
     if spec.kv_pool.enabled:
         connectors.append({"kv_connector": "SplitservePoolConnector", "kv_role": "kv_both",
                            "kv_connector_module_path": "splitserve.vllm_engine.in_vllm.pool_connector",
@@ -173,6 +176,8 @@ def environment(spec: ClusterSpec, role: str, ports: VllmPorts, side_channel_hos
             env["UCX_NET_DEVICES"] = "lo"
         if is_cpu(spec) and PROGRESS_DELAY_ENV not in os.environ:  # vllm_plugin: an idle server spins no core
             env[PROGRESS_DELAY_ENV] = "1000"
+        if connector(spec).control and UCX_LOG_DIR_ENV not in os.environ:  # UCX's transport tables, per process
+            env[UCX_LOG_DIR_ENV] = f"/tmp/splitserve-ucx-{ports.http}"
     return env
 
 

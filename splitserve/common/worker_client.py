@@ -102,6 +102,8 @@ class HealthReport:
     protocol_version: int
     engine: str = "native"  # native | vllm
     capabilities: frozenset[str] = frozenset()  # beyond protocol_version: "resume"
+    kv_connector: str = ""  # engine vllm, disaggregated: layerwise | push | pull
+    kv_transports: dict[str, str] = field(default_factory=dict)  # peer -> cuda_ipc | rdma | tcp | shm
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,8 @@ class GrpcWorkerClient:
             raise _call_error(e) from None
         return HealthReport(h.live, h.ready, h.role, h.draining, h.model, h.protocol_version,
                             h.engine if h.engine in ("native", "vllm") else "native",
-                            frozenset(c for c in h.capabilities if c in CAPABILITIES))
+                            frozenset(c for c in h.capabilities if c in CAPABILITIES),
+                            h.kv_connector[:32], {k[:256]: v[:32] for k, v in list(h.kv_transports.items())[:256]})
 
     async def load(self, timeout_s: float) -> LoadReport:
         try:

@@ -453,7 +453,8 @@ class LayerwiseMover:
         if table is None:
             peer.reported = False  # not logged yet: asked again at the next write that completes
             return
-        self.link.send("transport", peer=peer.info.agent, host=peer.endpoint, transport=table.transport,
+        self.link.send("transport", peer=peer.info.agent, host=peer.endpoint.removeprefix("tcp://"),
+                       transport=table.transport,
                        local_mem=self.mem_type, remote_mem=peer.info.mem_type, rank=self.tp_rank)
 
     # -- decode side: notices --------------------------------------------------------------------------------------

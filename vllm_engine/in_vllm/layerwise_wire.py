@@ -13,6 +13,7 @@ import base64
 import binascii
 import json
 import math
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ MAX_MESSAGE = 4 << 20  # bytes of one control message or ticket
 MAX_BLOCKS = 1 << 20
 MAX_KEY = 200
 MAX_RANKS = 64
+HOST_ENV, PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"
 _KEY = re.compile(r"[\x21-\x7e]{1,200}")  # printable ASCII, no space, no "|" (the notice's separator)
 _HOST = re.compile(r"[A-Za-z0-9.:_\-\[\]%]{1,255}")
 
@@ -39,8 +41,11 @@ class LayerwiseSettings:
     """What the connector needs to know that vLLM does not."""
 
     control: str  # the worker's control endpoint (ZMQ, loopback): tcp://127.0.0.1:PORT
-    side_channel_host: str  # where this server's NIXL metadata is served (a decode server's peers dial it)
-    side_channel_port: int  # base port: data-parallel rank d, tensor-parallel rank r serve at port + d * tp + r
+    # where this server's NIXL metadata is served (a decode server's peers dial it); base port: data-parallel rank
+    # d, tensor-parallel rank r serve at port + d * tp + r. Unset: VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT (a pod's
+    # address is known only in its environment)
+    side_channel_host: str = ""
+    side_channel_port: int = 0
     layer_group: int = 1  # consecutive layers per NIXL write (1: a write per layer)
     ticket_wait_seconds: float = 30.0  # a prefill server keeps a request's blocks this long for a late ticket
 
@@ -53,9 +58,13 @@ class LayerwiseSettings:
         unknown = set(raw) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"{EXTRA_KEY}: unknown setting {sorted(unknown)[0]!r}")
-        for name in ("control", "side_channel_host", "side_channel_port"):
-            if name not in raw:
-                raise ValueError(f"{EXTRA_KEY}.{name} is required")
+        if "control" not in raw:
+            raise ValueError(f"{EXTRA_KEY}.control is required")
+        if not raw.get("side_channel_host"):
+            raw["side_channel_host"] = os.environ.get(HOST_ENV, "") or "127.0.0.1"
+        if not raw.get("side_channel_port"):
+            port = os.environ.get(PORT_ENV, "")
+            raw["side_channel_port"] = int(port) if port.isdigit() else 5600
         s = cls(**raw)
         if not isinstance(s.control, str) or not s.control.startswith("tcp://"):
             raise ValueError(f"{EXTRA_KEY}.control: {s.control!r} is not a tcp:// endpoint")
