@@ -99,8 +99,15 @@ def test_the_vllm_command_follows_the_model():
     auto = cluster(engine="vllm", model={"device": "cpu"}).spec  # auto: float32 on CPU, as for native workers
     auto_cmd = command(auto, "decode", "/models/m", PORTS)
     assert auto_cmd[auto_cmd.index("--dtype") + 1] == "float32"
-    transfer = json.loads(flags["--kv-transfer-config"])
-    assert transfer["kv_connector"] == "NixlConnector" and transfer["kv_load_failure_policy"] == "recompute"
+    transfer = json.loads(flags["--kv-transfer-config"])  # vllm.connector: layerwise by default
+    assert transfer["kv_connector"] == "SplitserveLayerwiseConnector" and transfer["kv_load_failure_policy"] == "recompute"
+    assert transfer["kv_connector_module_path"] == "splitserve.vllm_engine.in_vllm.layerwise_connector"
+    assert transfer["kv_connector_extra_config"]["splitserve_layerwise"]["control"] == "tcp://127.0.0.1:5558"
+    for name, kind in (("pull", "NixlConnector"), ("push", "NixlPushConnector")):
+        other = cluster(engine="vllm", model={"device": "cpu"}, vllm={"connector": name}).spec
+        other_cmd = command(other, "decode", "/m", PORTS)
+        entry = json.loads(other_cmd[other_cmd.index("--kv-transfer-config") + 1])
+        assert entry["kv_connector"] == kind and entry["kv_buffer_device"] == "cpu"
     events = json.loads(flags["--kv-events-config"])
     assert events["endpoint"] == "tcp://127.0.0.1:5557" and events["enable_kv_cache_events"]
     assert cmd[-4:] == ["--quantization", "fp8", "--max-num-partial-prefills", "2"]  # cluster's, then role's
@@ -109,6 +116,7 @@ def test_the_vllm_command_follows_the_model():
     env = environment(spec, "decode", PORTS, "10.0.0.7")
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.7" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["SPLITSERVE_NIXL_PROGRESS_DELAY_US"] == "1000"
+    assert env["SPLITSERVE_UCX_LOG_DIR"].startswith("/tmp/")  # UCX's transport tables, for /health
     big = cluster(engine="vllm", model={"device": "cpu"}, decode={"engine": {"kvCacheMemory": "2.5GiB"}}).spec
     assert environment(big, "decode", PORTS, "h")["VLLM_CPU_KVCACHE_SPACE"] == "3"
     gpu = cluster(engine="vllm", model={"device": "cuda:1"}, decode={"engine": {"kvCacheMemory": "0.8"}}).spec

@@ -136,6 +136,12 @@ def kv_transfer_config(spec: ClusterSpec, role: str, pool_identity: tuple[str, s
             "kv_connector_extra_config": {"connectors": connectors}}
 
 
+def needs_connector_files(spec: ClusterSpec, role: str) -> bool:
+    """Whether the role's vLLM server imports one of splitserve's connectors (a stock vLLM image needs their files
+    copied beside it: `connector_files`)."""
+    return spec.kv_pool.enabled or (disaggregated(spec, role) and connector(spec).name == "layerwise")
+
+
 def pool_extra_config(spec: ClusterSpec, role: str, identity: tuple[str, str] | None) -> dict:
     """The pool connector's settings (`pool_plan.PoolSettings`). `identity`: the (name, instance id) its pool
     events and stats carry, chosen by the worker that starts the server; None where the server is rendered
