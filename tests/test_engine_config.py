@@ -205,5 +205,9 @@ def test_vllm_cpu_servers_on_one_host_get_cores_of_their_own(monkeypatch):
     assert [cpu_binding(i, 2, 1) for i in range(3)] == ["0,1,2,3", "4,5,6,7", "0,1,2,3"]  # a third wraps around
     assert cpu_binding(1, 2, 2) == "4,5|6,7"  # one list per tensor-parallel rank
     assert cpu_binding(0, 3, 1) == "0,1" and cpu_binding(2, 3, 1) == "4,5"
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1})
+    # more servers than cores: a core each, in turn (two servers on one core beat three on every core)
+    assert [cpu_binding(i, 3, 1) for i in range(3)] == ["0", "1", "0"]
+    assert cpu_binding(0, 2, 2) == "0|1"
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0})
-    assert cpu_binding(1, 2, 1) is None  # fewer cores than servers: vLLM's own binding
+    assert cpu_binding(1, 2, 2) is None  # fewer cores than ranks: vLLM's own binding

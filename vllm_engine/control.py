@@ -4,8 +4,8 @@
 It learns who listens from their hellos (the scheduler, and each model-runner rank), sends tickets, drops and
 releases to every rank, and resolves what the connectors report: a reservation's blocks (`reserved`), a reservation
 that ended (`landed`, one per rank), a producer's transfer that ended (`sent`, one per rank), and the transport
-NIXL uses toward each peer (`transport`; `transports`, and the `splitserve_kv_transport` metric, warning once when
-two GPU workers talk over TCP). Messages are validated by `in_vllm.layerwise_wire`; one that does not parse is
+NIXL uses toward each peer (`transport`, until the peer is `dropped`; `transports`, and the `splitserve_kv_transport`
+metric, warning once when two GPU workers talk over TCP). Messages are validated by `in_vllm.layerwise_wire`; one that does not parse is
 dropped and logged.
 """
 
@@ -176,14 +176,18 @@ class ControlServer:
                 self._endings.pop((kind, f["key"]), None)
         elif kind == "transport":
             self._transport(f)
+        elif kind == "dropped":
+            old = self.transports.pop(f["host"], None)
+            if old is not None:
+                KV_TRANSPORT.remove(f["host"], old)
 
     def _transport(self, f: dict[str, Any]) -> None:
-        peer, transport = f["host"] or f["peer"], f["transport"]
+        peer, transport = f["host"], f["transport"]
         old = self.transports.get(peer)
         if old == transport:
             return
         if old is not None:
-            KV_TRANSPORT.labels(peer, old).set(0)
+            KV_TRANSPORT.remove(peer, old)
         self.transports[peer] = transport
         KV_TRANSPORT.labels(peer, transport).set(1)
         log.info("NIXL toward %s (%s): %s", peer, f["peer"], transport)

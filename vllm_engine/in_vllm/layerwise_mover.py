@@ -62,6 +62,7 @@ SPIN_S = float(os.environ.get("SPLITSERVE_VLLM_KV_POLL_US", "0")) * 1e-6 or None
 IDLE_MAX_S = 0.05  # the poll's backoff at rest
 GRACE_S = 2.0  # after a ticket's deadline, for a write posted just before it to land
 FETCH_TIMEOUT_S = 5.0  # a decode rank's metadata
+PROBE_S, PROBE_TIMEOUT_S = 5.0, 2.0  # how often loaded peers are asked who they are, and how long they may take
 EARLY_KEEP_S = 120.0  # a notice or release that came before its reservation is kept this long
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -513,7 +514,18 @@ class LayerwiseMover:
 
     # -- peers ---------------------------------------------------------------------------------------------------
     def _load_loop(self) -> None:
-        while (item := self._loads.get()) is not None:
+        """Load the peers tickets name; between tickets, check every PROBE_S that each loaded peer still answers
+        as itself, and drop it otherwise (its server stopped or restarted: a new agent answers there)."""
+        next_probe = time.monotonic() + PROBE_S
+        while not self._closed.is_set():
+            try:
+                item = self._loads.get(timeout=max(0.0, next_probe - time.monotonic()))
+            except queue.Empty:
+                self._probe_peers()
+                next_probe = time.monotonic() + PROBE_S
+                continue
+            if item is None:
+                return
             key, ticket = item
             try:
                 peer = self._peer(ticket)
@@ -521,6 +533,18 @@ class LayerwiseMover:
                 self._q.put(("ready", key, None, f"decode rank {ticket.rank_endpoint(self.tp_rank)}: {e}"))
             else:
                 self._q.put(("ready", key, peer, ""))
+
+    def _probe_peers(self) -> None:
+        with self._peers_lock:
+            peers = list(self._peers.items())
+        for name, peer in peers:
+            try:
+                answer = AgentInfo.decode(_fetch(peer.endpoint, PROBE_TIMEOUT_S)).agent
+            except (WireError, RuntimeError, zmq.ZMQError) as e:
+                answer = f"nothing ({e})"
+            if answer != name:
+                log.info("dropping NIXL agent %s: %s answers at %s", name, answer, peer.endpoint)
+                self._drop_peer(name)
 
     def _peer(self, ticket: LayerwiseTicket) -> _Peer:
         name = f"ss-{ticket.engine}-dp{ticket.dp_rank}-tp{self.tp_rank}"
@@ -560,6 +584,7 @@ class LayerwiseMover:
             self.nixl.remove_remote_agent(name)
         except Exception as e:  # noqa: BLE001  already gone in NIXL: nothing left to drop
             log.debug("remove_remote_agent %s: %s", name, e)
+        self.link.send("dropped", peer=name, host=peer.endpoint.removeprefix("tcp://"), rank=self.tp_rank)
 
     def _serve(self) -> None:
         """Answer every request at the side channel with this rank's `AgentInfo`."""
@@ -616,16 +641,16 @@ def _prep(nixl, agent: str, regions: tuple[Region, ...], device_id: int, mem_typ
         return nixl.prep_xfer_dlist(agent, flat, mem_type), offsets
 
 
-def _fetch(endpoint: str) -> bytes:
+def _fetch(endpoint: str, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(FETCH_TIMEOUT_S * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, int(FETCH_TIMEOUT_S * 1000))
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
         sock.connect(endpoint)
         sock.send(b"meta")
         return sock.recv()
     except zmq.Again:
-        raise RuntimeError(f"no answer within {FETCH_TIMEOUT_S:.0f} s") from None
+        raise RuntimeError(f"no answer within {timeout_s:g} s") from None
     finally:
         sock.close(linger=0)

@@ -180,6 +180,7 @@ class LayerwiseTicket:
 #   landed    {key, ok, bytes, reason, rank}                       a reservation ended (ok: its KV is in place)
 #   sent      {key, ok, bytes, reason, rank}                       a producer's transfer ended
 #   transport {peer, host, transport, local_mem, remote_mem, rank} what NIXL uses toward a peer (`ucx_transport`)
+#   dropped   {peer, host, rank}                                a peer's agent was dropped (gone, or replaced)
 # Worker -> in-vLLM:
 #   ticket    {key, ticket}     a producer request's ticket (workers)
 #   drop      {key}             a producer request's ticket will not come (workers)
@@ -192,6 +193,7 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "landed": {"key": str, "ok": bool, "bytes": int, "reason": str, "rank": int},
     "sent": {"key": str, "ok": bool, "bytes": int, "reason": str, "rank": int},
     "transport": {"peer": str, "host": str, "transport": str, "local_mem": str, "remote_mem": str, "rank": int},
+    "dropped": {"peer": str, "host": str, "rank": int},
     "ticket": {"key": str, "ticket": dict},
     "drop": {"key": str},
     "release": {"key": str},
