@@ -197,8 +197,14 @@ class LayerwiseMover:
         self._q.put(("layer", self._step, self.layer_index[layer_name], event))
 
     def step_done(self) -> None:
+        """The step's forward is queued (on a GPU, not necessarily run: the mover waits for an event recorded
+        after it). Layers whose saves a CUDA graph skipped go here, all at once."""
         if self._step:
-            self._q.put(("end", self._step))
+            event = None
+            if self._cuda:
+                event = torch.cuda.Event()
+                event.record()
+            self._q.put(("end", self._step, event))
             self._step = []
 
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[int]]:
@@ -270,6 +276,8 @@ class LayerwiseMover:
                 if p is not None:
                     self._send(p, layer + 1, pp.end, pp.block_ids)
         elif kind == "end":
+            if item[2] is not None:
+                item[2].synchronize()
             for pp in item[1]:
                 p = self._producers.get(pp.key)
                 if p is not None:
