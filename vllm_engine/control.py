@@ -27,7 +27,7 @@ log = logging.getLogger("splitserve.vllm")
 
 KV_TRANSPORT = Gauge("splitserve_kv_transport", "1 for the transport this worker's NIXL agent uses toward a peer "
                      "(cuda_ipc, rdma, tcp, shm), as UCX reported its choice", ["peer", "transport"])
-PEER_TIMEOUT_S = 3 * HELLO_S  # a connector silent this long is gone (its server restarted)
+PEER_TIMEOUT_S = 15 * HELLO_S  # a connector silent this long is gone (its server restarted); a loaded host is slow
 
 
 @dataclass

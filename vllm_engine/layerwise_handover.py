@@ -43,7 +43,6 @@ log = logging.getLogger("splitserve.vllm")
 LAYERWISE = Counter("splitserve_vllm_layerwise_total", "Layer-wise KV handovers of engine vllm by how they ended "
                     "(landed, recompute: the decode server recomputed the prompt; send_failed: a prefill's writes)",
                     ["outcome"])
-RESERVE_S = 10.0  # at most this long for the decode server to allocate a reservation's blocks
 GRACE_S = 5.0  # past a ticket's deadline, for the connector's word to come
 _UNSAFE = re.compile(r"[^\x21-\x7b\x7d\x7e]")  # a key is printable ASCII without spaces or "|"
 
@@ -88,9 +87,8 @@ class VllmLayerwiseDecodeHandover:
                                       kv_transfer_params=request_params("consumer", key, r.deadline))
         r.pump = asyncio.ensure_future(self._pump(stream, r.outputs))
         self._pending[request_id] = r
-        done, _ = await asyncio.wait({reserved, r.pump}, timeout=min(timeout_s, RESERVE_S),
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if reserved not in done:  # no room on this server yet, or it failed the request: prefill locally
+        done, _ = await asyncio.wait({reserved, r.pump}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if reserved not in done:  # no room on this server by the deadline, or it failed the request: local
             self.cancel(request_id)
             return Reservation(None, cached, "no_free_blocks")
         f = reserved.result()
