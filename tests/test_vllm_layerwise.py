@@ -43,6 +43,13 @@ QUESTIONS = [
     "Explain in simple words how a bicycle stays upright while it is moving, and why it falls over when it stops, "
     "as if you were talking to a curious ten year old who just learned to ride without training wheels.",
 ]
+# fresh prompts (no cached prefix on any server) for the requests after a restart
+FRESH = [
+    "Describe the water cycle for a school project: evaporation from the oceans, clouds forming over the hills, "
+    "rain and snow falling on the mountains, and the rivers that carry the water back down to the sea again.",
+    "Write a short packing list for a week of hiking in the mountains in early autumn, when the mornings are cold, "
+    "the afternoons are warm and sunny, and a sudden storm can roll in over the ridge without much warning.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +71,11 @@ def cluster():
 
 
 # == helpers ======================================================================================================
+def fresh(i: int) -> str:
+    """A prompt no server holds a prefix of (it differs from the others within its first block)."""
+    return f"Case {i}: " + FRESH[i % 2]
+
+
 def health(up: Up) -> dict:
     with urllib.request.urlopen(up.url + "/health", timeout=10) as r:
         return json.loads(r.read())
@@ -219,7 +231,7 @@ def test_a_prefill_worker_killed_mid_transfer_costs_no_request_holds_no_block_an
     restart(cluster, "prefill", 0, env)
     before = remote_ok(cluster)
     t0 = time.monotonic()
-    assert ask(cluster, QUESTIONS[0] + " Thanks!").strip()
+    assert ask(cluster, fresh(0)).strip()
     assert remote_ok(cluster) == before + 1, local_reasons(cluster)
     assert time.monotonic() - t0 < 60
 
@@ -233,7 +245,7 @@ def test_a_decode_worker_killed_under_load_costs_no_stream_and_its_restart_is_wr
     for i in range(8):  # make sure the prefill server has written to decode worker 0
         if old in worker(cluster, "prefill", 0)["kv_transports"]:
             break
-        ask(cluster, QUESTIONS[i % 3] + f" (warm {i})", 4)
+        ask(cluster, fresh(10 + i), 4)
     assert old in worker(cluster, "prefill", 0)["kv_transports"]
 
     def kill_when_streaming() -> None:
@@ -249,7 +261,7 @@ def test_a_decode_worker_killed_under_load_costs_no_stream_and_its_restart_is_wr
     new = f"127.0.0.1:{server(cluster, 'decode', 0)[2]['VLLM_NIXL_SIDE_CHANNEL_PORT']}"
     before = remote_ok(cluster, 0)
     for i in range(8):  # least_loaded routing: an idle pair alternates, so the restarted worker gets some soon
-        ask(cluster, QUESTIONS[i % 3] + f" (after {i})", 4)
+        ask(cluster, fresh(20 + i), 4)
         if remote_ok(cluster, 0) > before:
             break
     assert remote_ok(cluster, 0) > before, "the restarted decode worker got no remote prefill"

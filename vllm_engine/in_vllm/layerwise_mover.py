@@ -1,7 +1,8 @@
 """The layer-wise push connector's worker side (each of vLLM's model-runner processes): it moves the KV.
 
 One NIXL agent per rank over this rank's KV cache, registered once, and one thread (`_run`) that makes every NIXL
-call but the metadata fetch (`_load`, on a thread of its own) and the metadata answer (`_serve`):
+call; two more fetch decode ranks' metadata (`_load_loop`, which also asks every `PROBE_S` that each loaded peer
+still answers as itself) and answer for this rank's (`_serve`):
 
 - Prefill side (producers): each step the forward thread queues which requests the step computes (`begin_step`),
   then each layer as its KV is written (`layer_saved`; on a GPU with a CUDA event recorded after it, which the
@@ -20,7 +21,7 @@ call but the metadata fetch (`_load`, on a thread of its own) and the metadata a
 
 Every rank serves its agent's metadata and KV regions at the side channel (`AgentInfo`); a prefill rank fetches
 its decode peer's once per agent (a restarted server is a new agent: the old one is dropped when a new agent
-answers at its address, or when a write to it fails). Where UCX says which transport it picked (`ucx_transport`),
+answers at its address, when nothing answers there, or when a write to it fails). Where UCX says which transport it picked (`ucx_transport`),
 the first transfer to a peer reports it to the worker beside vLLM.
 """
 
@@ -124,16 +125,16 @@ class LayerwiseMover:
         self._consumers: dict[str, _Consumer] = {}  # key -> reservation
         self._early: dict[str, tuple[float, tuple]] = {}  # key -> (when, notice or release) before its reservation
         self._peers: dict[str, _Peer] = {}  # agent name -> peer
-        self._peers_lock = threading.Lock()  # the loader thread adds peers, the mover thread drops them
+        self._peers_lock = threading.Lock()  # the mover thread changes the peers, the loader thread reads them
         self._closed = threading.Event()
         self._step: list[ProducerPlan] = []  # this step's producers (forward thread)
         self._cuda = False
         self.ucx = UcxLog.configure()  # before the agent: UCX reads its environment once
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        # no progress thread (it spins a core): UCX progresses inside our calls, all made by one thread (the
+        # mover's; the metadata server's thread only reads bytes made at registration)
+        from nixl._api import nixl_agent, nixl_agent_config
 
-        # no progress thread (it spins a core); UCX progresses inside our calls, which STRICT serializes
-        self.nixl = nixl_agent(self.agent_name, nixl_agent_config(
-            enable_prog_thread=False, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+        self.nixl = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.link = ControlLink(settings.control, "worker", dp_rank, tp_rank, engine, self._on_control)
         self._threads: list[threading.Thread] = []
 
@@ -295,16 +296,24 @@ class LayerwiseMover:
                 return
             p.sent = [ticket.first_block * ticket.block_size] * self.num_layers
             self._loads.put((key, ticket))
-        elif kind == "ready":
-            _, key, peer, error = item
+        elif kind == "peer":  # the loader fetched a decode rank's metadata (or failed to)
+            _, key, name, endpoint, info, error = item
             p = self._producers.get(key)
             if p is None or p.over:
                 return
+            peer = self._peers.get(name) if not error else None
+            if peer is None and not error:
+                if info is None:  # known when the loader looked, dropped since
+                    error = "its agent was dropped meanwhile"
+                else:
+                    peer, error = self._load_peer(name, endpoint, info)
             if peer is None:
-                self._fail(p, error)
+                self._fail(p, f"decode rank {endpoint}: {error}")
             else:
                 p.peer = peer
                 self._send(p, self.num_layers, p.computed, p.block_ids)
+        elif kind == "drop_peer":
+            self._drop_peer(item[1], item[2])
         elif kind == "drop":
             p = self._producers.get(item[1])
             if p is not None and p.ticket is None:
@@ -420,7 +429,7 @@ class LayerwiseMover:
         p.failed = reason
         log.warning("layerwise KV transfer %s stopped: %s", p.key, reason)
         if drop_peer and p.peer is not None:
-            self._drop_peer(p.peer.info.agent)
+            self._drop_peer(p.peer.info.agent, reason)
         self._finish_failed(p)
 
     def _finish_failed(self, p: _Producer) -> None:
@@ -522,8 +531,9 @@ class LayerwiseMover:
 
     # -- peers ---------------------------------------------------------------------------------------------------
     def _load_loop(self) -> None:
-        """Load the peers tickets name; between tickets, check every PROBE_S that each loaded peer still answers
-        as itself, and drop it otherwise (its server stopped or restarted: a new agent answers there)."""
+        """Fetch the metadata of the decode ranks tickets name (the mover thread loads them into NIXL: every
+        NIXL call but the metadata answer is the mover's); between tickets, ask every PROBE_S each loaded peer who
+        answers at its address, and have it dropped otherwise (its server stopped, or restarted: a new agent)."""
         next_probe = time.monotonic() + PROBE_S
         while not self._closed.is_set():
             try:
@@ -535,59 +545,61 @@ class LayerwiseMover:
             if item is None:
                 return
             key, ticket = item
-            try:
-                peer = self._peer(ticket)
-            except (WireError, RuntimeError, zmq.ZMQError) as e:
-                self._q.put(("ready", key, None, f"decode rank {ticket.rank_endpoint(self.tp_rank)}: {e}"))
-            else:
-                self._q.put(("ready", key, peer, ""))
+            name = f"ss-{ticket.engine}-dp{ticket.dp_rank}-tp{self.tp_rank}"
+            endpoint = ticket.rank_endpoint(self.tp_rank)
+            with self._peers_lock:
+                known = name in self._peers
+            info, error = None, ""
+            if not known:
+                try:
+                    info = self._fetch_peer(name, endpoint)
+                except (WireError, RuntimeError, zmq.ZMQError) as e:
+                    error = str(e) or type(e).__name__
+            self._q.put(("peer", key, name, endpoint, info, error))
 
-    def _probe_peers(self) -> None:
-        with self._peers_lock:
-            peers = list(self._peers.items())
-        for name, peer in peers:
-            try:
-                answer = AgentInfo.decode(_fetch(peer.endpoint, PROBE_TIMEOUT_S)).agent
-            except (WireError, RuntimeError, zmq.ZMQError) as e:
-                answer = f"nothing ({e})"
-            if answer != name:
-                log.info("dropping NIXL agent %s: %s answers at %s", name, answer, peer.endpoint)
-                self._drop_peer(name)
-
-    def _peer(self, ticket: LayerwiseTicket) -> _Peer:
-        name = f"ss-{ticket.engine}-dp{ticket.dp_rank}-tp{self.tp_rank}"
-        with self._peers_lock:
-            peer = self._peers.get(name)
-        if peer is not None:
-            return peer
-        endpoint = ticket.rank_endpoint(self.tp_rank)
+    def _fetch_peer(self, name: str, endpoint: str) -> AgentInfo:
         info = AgentInfo.decode(_fetch(endpoint))
         if info.agent != name:
             raise WireError(f"the agent there is {info.agent!r}, the ticket names {name!r} (a restarted server?)")
-        if info.shape() != (self.num_layers, tuple(r.block_bytes for r in self.regions[:self.regions_per_layer])):
-            raise WireError(f"its KV layout {info.shape()} differs from this server's "
-                            f"{(self.num_layers, tuple(r.block_bytes for r in self.regions[:self.regions_per_layer]))}")
+        mine = (self.num_layers, tuple(r.block_bytes for r in self.regions[:self.regions_per_layer]))
+        if info.shape() != mine:
+            raise WireError(f"its KV layout (layers, block bytes per region) {info.shape()} differs from this "
+                            f"server's {mine}")
+        return info
+
+    def _probe_peers(self) -> None:
         with self._peers_lock:
-            stale = [n for n, p in self._peers.items() if p.endpoint == endpoint]
-        for old in stale:
-            log.info("dropping NIXL agent %s: %s answers at %s now", old, name, endpoint)
-            self._drop_peer(old)
+            peers = [(name, peer.endpoint) for name, peer in self._peers.items()]
+        for name, endpoint in peers:
+            try:
+                answer = AgentInfo.decode(_fetch(endpoint, PROBE_TIMEOUT_S)).agent
+            except (WireError, RuntimeError, zmq.ZMQError) as e:
+                answer = f"nothing ({e})"
+            if answer != name:
+                self._q.put(("drop_peer", name, f"{answer} answers at {endpoint}"))
+
+    def _load_peer(self, name: str, endpoint: str, info: AgentInfo) -> tuple[_Peer | None, str]:
+        """(the peer, "") once its agent is loaded into NIXL, or (None, why); an agent loaded before at the same
+        address is dropped (that server restarted)."""
+        for old in [n for n, p in list(self._peers.items()) if p.endpoint == endpoint]:
+            self._drop_peer(old, f"{name} answers at {endpoint} now")
         try:
             self.nixl.add_remote_agent(info.metadata)
             prep, offsets = _prep(self.nixl, info.agent, info.regions, info.device_id, info.mem_type)
         except Exception as e:  # noqa: BLE001  NIXL's own errors: the metadata did not load
-            raise RuntimeError(f"NIXL could not load agent {info.agent}: {e}") from None
+            return None, f"NIXL could not load agent {info.agent}: {e}"
         peer = _Peer(endpoint, info, prep, offsets)
         with self._peers_lock:
             self._peers[name] = peer
         log.info("NIXL agent %s loaded (%s)", name, endpoint)
-        return peer
+        return peer, ""
 
-    def _drop_peer(self, name: str) -> None:
+    def _drop_peer(self, name: str, why: str) -> None:
         with self._peers_lock:
             peer = self._peers.pop(name, None)
         if peer is None:
             return
+        log.info("dropping NIXL agent %s: %s", name, why)
         try:
             self.nixl.remove_remote_agent(name)
         except Exception as e:  # noqa: BLE001  already gone in NIXL: nothing left to drop
