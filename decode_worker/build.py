@@ -29,7 +29,7 @@ log = logging.getLogger("splitserve.decode_worker")
 
 async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeService:
     if spec.engine_of("decode") == "vllm":  # a KV connector inside vLLM moves the KV (vllm.connector)
-        from splitserve.vllm_engine.connectors import decode_handover
+        from splitserve.vllm_engine.handovers import decode_handover
 
         _label_series(with_handover=True)
         return DecodeService(engine, decode_handover(spec, engine), ctx.membership, spec.decode.disagg_threshold,

@@ -38,7 +38,7 @@ async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> P
 
 def _build_vllm(spec: ClusterSpec, engine) -> PrefillService:
     """engine vllm: a KV connector inside this worker's vLLM server moves the prompt's KV (vllm.connector)."""
-    from splitserve.vllm_engine.connectors import prefill_handover
+    from splitserve.vllm_engine.handovers import prefill_handover
 
     for stage in PREFILL_STAGES:
         PREFILL_STAGE.labels(stage)

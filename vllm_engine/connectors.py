@@ -1,6 +1,7 @@
 """The KV connectors engine vllm runs between disaggregated workers, chosen by name in one place
 (`vllm.connector`): what each puts in the vLLM server's `--kv-transfer-config`, whether the worker keeps a control
-line to it, and which handover pair the worker runs beside it.
+line to it, and which handover pair the worker runs beside it (built by `handovers`: the operator renders pods
+from this module and never imports a handover).
 
 - `layerwise`: ours (`in_vllm.layerwise_connector`): the decode server reserves the prompt's blocks first, the
   prefill server writes each layer into them over NIXL while it computes (`layerwise_handover`).
@@ -14,14 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from splitserve.common.config import ClusterSpec
 from splitserve.vllm_engine.in_vllm.layerwise_wire import LayerwiseSettings
-
-if TYPE_CHECKING:
-    from splitserve.engine.interface import DecodeHandover, PrefillHandover
-    from splitserve.vllm_engine.engine import VllmEngine
 
 LAYERWISE_MODULE = "splitserve.vllm_engine.in_vllm.layerwise_connector"
 LAYER_GROUP_ENV = "SPLITSERVE_VLLM_LAYER_GROUP"  # a measurement knob: layers per NIXL write (default 1)
@@ -59,27 +56,3 @@ CONNECTORS = {c.name: c for c in (
 
 def connector(spec: ClusterSpec) -> Connector:
     return CONNECTORS[spec.vllm.connector]
-
-
-def decode_handover(spec: ClusterSpec, engine: VllmEngine) -> DecodeHandover:
-    if connector(spec).handover == "layerwise":
-        from splitserve.vllm_engine.layerwise_handover import VllmLayerwiseDecodeHandover
-
-        if engine.control is None:
-            raise ValueError("vllm.connector layerwise: this worker's vLLM server has no control line")
-        return VllmLayerwiseDecodeHandover(engine, engine.control, engine.side_channel[0], engine.side_channel[1])
-    from splitserve.vllm_engine.pull_handover import VllmDecodeHandover
-
-    return VllmDecodeHandover(engine)
-
-
-def prefill_handover(spec: ClusterSpec, engine: VllmEngine) -> PrefillHandover:
-    if connector(spec).handover == "layerwise":
-        from splitserve.vllm_engine.layerwise_handover import VllmLayerwisePrefillHandover
-
-        if engine.control is None:
-            raise ValueError("vllm.connector layerwise: this worker's vLLM server has no control line")
-        return VllmLayerwisePrefillHandover(engine, engine.control)
-    from splitserve.vllm_engine.pull_handover import VllmPrefillHandover
-
-    return VllmPrefillHandover(engine)
