@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -53,11 +52,12 @@ FRESH = [
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     up = Up("--engine", "vllm", "--mode", "disaggregated", "--prefill", "1", "--decode", "2",
             "--disagg-threshold", "64", "--transfer-timeout", str(TIMEOUT_S), timeout=1500)
     restarted: list[subprocess.Popen] = []
     up.restarted = restarted
+    up.logs = tmp_path_factory.mktemp("restarted")
     yield up
     for proc in restarted:  # workers this module started again: not `up`'s to stop
         if proc.poll() is None:
@@ -172,7 +172,7 @@ def restart(up: Up, role: str, index: int, env: dict[str, str]) -> None:
     healthy."""
     info = up.components[role][index]
     port, mport = info["grpc"].rsplit(":", 1)[1], info["metrics"].rsplit(":", 1)[1]
-    log = tempfile.NamedTemporaryFile("w", prefix=f"restarted-{info['name']}-", suffix=".log", delete=False)
+    log = open(up.logs / f"{info['name']}-{len(up.restarted)}.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "worker", "--role", role, "--port", port,
                              "--metrics-port", mport, "--name", info["name"], "--config", up.components["config"],
                              "--host", "127.0.0.1"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
