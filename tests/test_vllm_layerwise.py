@@ -4,9 +4,9 @@ workers from `splitserve up`, the official `openai` client at the gateway. The s
 in order, the last ones killing and restarting workers.
 
 What it proves: the decode server reserves the prompt's blocks first and the prefill server writes each layer into
-them, with the same greedy text as the prefill server computing and decoding the prompt alone (colocated); /health
-names each worker's connector and the transport NIXL uses (TCP here); neither side holds blocks once requests
-ended. Restarts do not wedge: a prefill worker SIGKILLed while its server computes and writes costs no request
+them, with the same greedy text as the prefill server computing and decoding the prompt alone (colocated), the KV
+pool's connector running beside ours (`--kv-pool`: a MultiConnector); /health names each worker's connector and
+the transport NIXL uses (TCP here); neither side holds blocks once requests ended. Restarts do not wedge: a prefill worker SIGKILLed while its server computes and writes costs no request
 (the decode worker prefills locally) and leaves no held block once the tickets' deadline passed, and its restart
 serves remote prefills again; a decode worker SIGKILLed under load costs no stream (they move or are retried on
 the other), the prefill server drops its stale NIXL agent, and the restarted decode worker is written to again.
@@ -54,7 +54,7 @@ FRESH = [
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     up = Up("--engine", "vllm", "--mode", "disaggregated", "--prefill", "1", "--decode", "2",
-            "--disagg-threshold", "64", "--transfer-timeout", str(TIMEOUT_S), timeout=1500)
+            "--disagg-threshold", "64", "--transfer-timeout", str(TIMEOUT_S), "--kv-pool", timeout=1500)
     restarted: list[subprocess.Popen] = []
     up.restarted = restarted
     up.logs = tmp_path_factory.mktemp("restarted")
@@ -206,6 +206,9 @@ def test_greedy_text_is_the_same_as_the_prefill_server_computing_it_alone(cluste
         assert text == r.choices[0].message.content and text.strip()
     urls = [prefill_url] + [server(cluster, "decode", i)[1] for i in range(2)]
     wait_until(lambda: all(kv_usage(u) == 0 for u in urls), 60, "a server still holds blocks")
+    # the KV pool's connector ran beside ours in one MultiConnector: the prefill server stored the blocks it computed
+    wait_until(lambda: metric_sum(scrape(cluster.components["prefill"][0]["metrics"]),
+                                  "splitserve_kv_pool_blocks_written_total") > 0, 60, "the pool stored no block")
     transports = worker(cluster, "prefill", 0)["kv_transports"]
     assert transports and set(transports.values()) == {"tcp"}, transports
     stage = scrape(cluster.components["prefill"][0]["metrics"])
