@@ -61,6 +61,11 @@ SHAPES = {
                       "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
                       "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
                       "decoder_sparse_step": 1, "mlp_only_layers": [], "eos_token_id": 151645},
+    # engine vllm's CPU dry run (vLLM's CPU attention takes head_dim 64 but not 16)
+    "tiny_llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+                   "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 2,
+                   "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                   "max_position_embeddings": 4096, "tie_word_embeddings": False, "eos_token_id": 0},
     # the CPU dry run: small enough for a 2-core machine, with 2 KV heads so TP=2 splits them
     "tiny": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512,
              "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,

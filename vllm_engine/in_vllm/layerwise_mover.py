@@ -27,6 +27,7 @@ the first transfer to a peer reports it to the worker beside vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -363,8 +364,11 @@ class LayerwiseMover:
             layers = todo[start:stop]
             try:
                 self._post(p, peer, t, layers, p.sent[layers[0]], end, block_ids)
-            except RuntimeError as e:  # NIXL refused the write (the peer is gone): no more writes
-                self._fail(p, f"write to {peer.info.agent}: {e}", drop_peer=True)
+            except ValueError as e:  # the request's blocks do not cover the ticket's
+                self._fail(p, str(e))
+                return
+            except Exception as e:  # noqa: BLE001  NIXL's bindings raise their own types: the peer is unusable
+                self._fail(p, f"write to {peer.info.agent}: {type(e).__name__}: {e}", drop_peer=True)
                 return
             for j in layers:
                 p.sent[j] = end
@@ -381,7 +385,7 @@ class LayerwiseMover:
         src = np.asarray(block_ids[blk0:blk1], dtype=np.int64)
         dst = np.asarray(t.block_ids[blk0 - t.first_block:blk1 - t.first_block], dtype=np.int64)
         if len(src) != blk1 - blk0:
-            raise RuntimeError(f"{p.key}: the request holds {len(block_ids)} blocks, {blk1} needed")
+            raise ValueError(f"{p.key}: the request holds {len(block_ids)} blocks, {blk1} needed")
         per = self.regions_per_layer
         rows = (np.asarray(layers, dtype=np.int64)[:, None] * per + np.arange(per)[None, :]).reshape(-1)
         local = (self._local_offsets[rows][:, None] + src[None, :]).reshape(-1)
@@ -397,11 +401,16 @@ class LayerwiseMover:
     def _reap(self, p: _Producer) -> None:
         while p.inflight:
             handle, nbytes = p.inflight[0]
-            state = self.nixl.check_xfer_state(handle)
+            try:
+                state = self.nixl.check_xfer_state(handle)
+            except Exception as e:  # noqa: BLE001  NIXL's own error types: the write is as good as failed
+                log.debug("check_xfer_state: %s", e)
+                state = "ERR"
             if state not in ("DONE", "ERR"):
                 return
             p.inflight.popleft()
-            self.nixl.release_xfer_handle(handle)
+            with contextlib.suppress(Exception):  # a handle NIXL cannot free is NIXL's to keep
+                self.nixl.release_xfer_handle(handle)
             if state == "ERR":
                 self._fail(p, f"NIXL reported a failed write to {p.peer.info.agent if p.peer else '?'}",
                            drop_peer=True)
@@ -441,12 +450,15 @@ class LayerwiseMover:
             except Exception:  # noqa: BLE001  a write NIXL cannot cancel: its deadline has passed anyway
                 pass
         p.inflight.clear()
-        if p.ticket is not None and p.peer is not None and p.peer.info.agent in self._peers:
+        # a ticket this rank holds no request for (another data-parallel engine's, or one that never ran here)
+        # sends no notice: the rank that ran it speaks for it, or the receiver's deadline does
+        if p.req_id is not None and p.ticket is not None and p.peer is not None and \
+                p.peer.info.agent in self._peers:
             try:
                 self.nixl.send_notif(p.peer.info.agent, abort_notice(p.ticket.key, p.failed))
             except Exception:  # noqa: BLE001  the receiver's deadline covers a notice that cannot go
                 pass
-        if p.ticket is not None:
+        if p.ticket is not None and p.req_id is not None:
             self.link.send("sent", key=p.key, ok=False, bytes=p.bytes_done, reason=p.failed[:300], rank=self.tp_rank)
         self._over(p)
 
