@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,7 +235,15 @@ class VllmServer:
             time.sleep(0.5)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `grace_s`."""
+        """SIGTERM the server's process group, SIGKILL it after `grace_s`; then remove the files it left for us
+        (UCX's transport tables)."""
+        try:
+            self._stop(grace_s)
+        finally:
+            if self.env.get(UCX_LOG_DIR_ENV):
+                shutil.rmtree(self.env[UCX_LOG_DIR_ENV], ignore_errors=True)
+
+    def _stop(self, grace_s: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         try:

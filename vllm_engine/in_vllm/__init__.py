@@ -31,3 +31,8 @@ def setup_logging() -> None:
     root.addHandler(handler)
     root.setLevel(os.environ.get(LOG_LEVEL_ENV, "INFO").upper())
     root.propagate = False
+    if root.level <= logging.DEBUG:  # a stuck connector's threads, on demand: kill -USR2 <pid>
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR2, all_threads=True)

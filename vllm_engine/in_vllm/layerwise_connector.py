@@ -103,7 +103,8 @@ class SplitserveLayerwiseConnector(KVConnectorBase_V1):
             new_ids = cached.new_block_ids[i]
             rows.append((req_id, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(req_id, 0),
                          None if new_ids is None else new_ids[0], req_id in resumed))
-        return LayerwiseConnectorMetadata(self.planner.step(new, rows))
+        idle = not getattr(so, "total_num_scheduled_tokens", 1)
+        return LayerwiseConnectorMetadata(self.planner.step(new, rows, idle))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.planner.finished(request.request_id), None

@@ -66,6 +66,7 @@ GRACE_S = 2.0  # after a ticket's deadline, for a write posted just before it to
 FETCH_TIMEOUT_S = 5.0  # a decode rank's metadata
 PROBE_S, PROBE_TIMEOUT_S = 5.0, 2.0  # how often loaded peers are asked who they are, and how long they may take
 EARLY_KEEP_S = 120.0  # a notice or release that came before its reservation is kept this long
+IDLE_WAIT_S = 0.01  # an engine step without a forward waits this long for a transfer to end
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -129,6 +130,8 @@ class LayerwiseMover:
         self._peers_lock = threading.Lock()  # the mover thread changes the peers, the loader thread reads them
         self._closed = threading.Event()
         self._step: list[ProducerPlan] = []  # this step's producers (forward thread)
+        self._idle = False  # this step runs no forward (forward thread)
+        self._news = threading.Event()  # a transfer ended: something to report
         self._cuda = False
         self.ucx = UcxLog.configure()  # before the agent: UCX reads its environment once
         # no progress thread (it spins a core): UCX progresses inside our calls, all made by one thread (the
@@ -186,6 +189,7 @@ class LayerwiseMover:
     # == the forward thread's calls ===============================================================================
     def begin_step(self, plan: LayerwiseStepPlan) -> None:
         self._step = plan.producers
+        self._idle = plan.idle
         if plan.reservations or plan.producers:
             self._q.put(("step", plan))
 
@@ -213,7 +217,12 @@ class LayerwiseMover:
         """(finished sending, finished receiving, block ids whose load failed) since the last call."""
         if finished_req_ids:  # after this step's own items: a request is known before its finish
             self._q.put(("finished", frozenset(finished_req_ids)))
+        if self._idle and not finished_req_ids and (self._consumers or self._producers):
+            # vLLM steps without a forward, back to back, while requests wait for their transfers (a core of
+            # busy loop, and on a small host the other server's): wait a little for news instead
+            self._news.wait(IDLE_WAIT_S)
         with self._lock:
+            self._news.clear()
             sending, self._sending_over = self._sending_over, set()
             recv, self._recv_over = self._recv_over, []
         errors: set[int] = set()
@@ -472,6 +481,7 @@ class LayerwiseMover:
             p.reported = True
             with self._lock:
                 self._sending_over.add(p.req_id)
+            self._news.set()
 
     def _report_transport(self, p: _Producer) -> None:
         peer = p.peer
@@ -498,6 +508,7 @@ class LayerwiseMover:
             log.warning("layerwise KV for %s did not land (%s): vLLM recomputes it", key, reason)
         with self._lock:
             self._recv_over.append((c.req_id, None if ok else c.block_ids))
+        self._news.set()
         self.link.send("landed", key=key, ok=ok, bytes=nbytes, reason=reason[:300], rank=self.tp_rank)
 
     def _poll(self) -> bool:

@@ -49,6 +49,7 @@ class ProducerPlan:
 class LayerwiseStepPlan:
     reservations: list[ReservationPlan] = field(default_factory=list)
     producers: list[ProducerPlan] = field(default_factory=list)
+    idle: bool = False  # the step runs no forward (vLLM steps like this while requests wait for transfers)
 
 
 @dataclass
@@ -125,10 +126,10 @@ class LayerwisePlanner:
                      first_block=first_block, block_ids=blocks, num_tokens=num_prompt)
 
     def step(self, new: Sequence[tuple[str, int, int, Sequence[int]]],
-             cached: Sequence[tuple[str, int, int, Sequence[int] | None, bool]]) -> LayerwiseStepPlan:
+             cached: Sequence[tuple[str, int, int, Sequence[int] | None, bool]], idle: bool = False) -> LayerwiseStepPlan:
         """One engine step: `new` as (req_id, computed, scheduled, block ids), `cached` as (req_id, computed,
-        scheduled, new block ids or None, resumed: the ids replace the old)."""
-        plan = LayerwiseStepPlan(reservations=self._new_reservations)
+        scheduled, new block ids or None, resumed: the ids replace the old); `idle`: it schedules no token."""
+        plan = LayerwiseStepPlan(reservations=self._new_reservations, idle=idle)
         self._new_reservations = []
         for req_id, computed, scheduled, block_ids in new:
             p = self._producers.get(req_id)
