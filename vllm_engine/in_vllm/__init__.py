@@ -4,12 +4,17 @@ packages, HTTP client and gRPC are not in a stock vLLM image; `connector_files` 
 
 - Every vLLM process (API server, engine core, workers): `vllm_plugin` (entry point `vllm.general_plugins`),
   NIXL's progress thread paced on CPU hosts, inert unless the worker asks.
-- Scheduler side (vLLM's engine core process): `pool_connector.SplitservePoolConnector` as the scheduler's
-  connector, with its plain-Python planner `pool_plan.PoolPlanner` (what to load from the KV pool, what to
-  store).
-- Worker side (each of vLLM's model-runner processes): the same connector class as the worker's connector (the
-  pool's reads before the forward, its writes after).
-- Both sides, and the worker beside vLLM: `pool_plan`'s settings and Redis store (plain Python, no vLLM).
+- Scheduler side (vLLM's engine core process), each connector class in its scheduler role:
+  `pool_connector.SplitservePoolConnector` with its planner `pool_plan.PoolPlanner` (what to load from the KV
+  pool, what to store), and `layerwise_connector.SplitserveLayerwiseConnector` with its planner
+  `layerwise_plan.LayerwisePlanner` (a decode server's reservations, a prefill server's steps), whose reservations
+  go to the worker over `control_link`.
+- Worker side (each of vLLM's model-runner processes), the same classes in their worker role: the pool's reads
+  before the forward and writes after it; the layerwise connector's `layerwise_mover.LayerwiseMover` (a NIXL agent
+  over the rank's KV cache: per-layer writes on a prefill server, notices on a decode server, its metadata served at
+  the side channel, UCX's transport tables read by `ucx_transport`), on `control_link` too.
+- Both sides, and the worker beside vLLM: `pool_plan`'s settings and Redis store, and `layerwise_wire`, every
+  format the layerwise connector speaks (plain Python, no vLLM).
 """
 
 import logging
