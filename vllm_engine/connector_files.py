@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 
 # splitserve's modules the connectors import (tests/test_vllm_pool_plan.py imports them from a copy alone)
-_IN_VLLM = ("pool_plan", "pool_connector", "layerwise_wire", "control_link", "layerwise_plan", "layerwise_mover",
-            "layerwise_connector", "ucx_transport")
+_IN_VLLM = ("pool_plan", "pool_connector", "layerwise_wire", "control_link", "layerwise_plan", "layerwise_peers",
+            "layerwise_mover", "layerwise_connector", "ucx_transport")
 CONNECTOR_MODULES = ("splitserve", "splitserve.common", "splitserve.common.hashing", "splitserve.common.redis_wire",
                      "splitserve.vllm_engine", "splitserve.vllm_engine.in_vllm",
                      *(f"splitserve.vllm_engine.in_vllm.{m}" for m in _IN_VLLM))

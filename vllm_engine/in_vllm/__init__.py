@@ -11,8 +11,9 @@ packages, HTTP client and gRPC are not in a stock vLLM image; `connector_files` 
   go to the worker over `control_link`.
 - Worker side (each of vLLM's model-runner processes), the same classes in their worker role: the pool's reads
   before the forward and writes after it; the layerwise connector's `layerwise_mover.LayerwiseMover` (a NIXL agent
-  over the rank's KV cache: per-layer writes on a prefill server, notices on a decode server, its metadata served at
-  the side channel, UCX's transport tables read by `ucx_transport`), on `control_link` too.
+  over the rank's KV cache: per-layer writes on a prefill server, notices on a decode server), `layerwise_peers`
+  (the rank's KV as NIXL regions, its metadata served at the side channel, the decode peers it writes to) and
+  `ucx_transport` (UCX's transport tables), on `control_link` too.
 - Both sides, and the worker beside vLLM: `pool_plan`'s settings and Redis store, and `layerwise_wire`, every
   format the layerwise connector speaks (plain Python, no vLLM).
 """

@@ -1,15 +1,14 @@
 """The layer-wise push connector's worker side (each of vLLM's model-runner processes): it moves the KV.
 
-One NIXL agent per rank over this rank's KV cache, registered once, and one thread (`_run`) that makes every NIXL
-call; two more fetch decode ranks' metadata (`_load_loop`, which also asks every `PROBE_S` that each loaded peer
-still answers as itself) and answer for this rank's (`_serve`):
+One NIXL agent per rank over this rank's KV cache (`layerwise_peers.LocalKV`, with the decode ranks it writes to,
+`Peers`), and one thread (`_run`) that makes every NIXL call:
 
 - Prefill side (producers): each step the forward thread queues which requests the step computes (`begin_step`),
   then each layer as its KV is written (`layer_saved`; on a GPU with a CUDA event recorded after it, which the
   mover waits for), then the step's end. For a request whose ticket is in, each layer (or group of `layer_group`
-  layers) is one NIXL WRITE of its blocks touched so far into the decode server's reserved blocks, posted while the
-  forward goes on; layers computed before the ticket came go at once when it comes. Once every layer of the whole
-  prompt was posted and every write completed (NIXL's DONE: the bytes are in the receiver's memory), one
+  layers) is one NIXL WRITE of its blocks computed so far into the decode server's reserved blocks, posted while
+  the forward goes on; layers computed before the ticket came go at once when it comes. Once every layer of the
+  whole prompt was posted and every write completed (NIXL's DONE: the bytes are in the receiver's memory), one
   notification says so (`done_notice`). A write that fails, a decode rank that cannot be reached or the ticket's
   deadline ends the transfer with an `abort_notice` once no write of it is in flight. The request's blocks are
   held (vLLM's `request_finished` said so) until the transfer is over, or, without a ticket, until
@@ -19,10 +18,8 @@ still answers as itself) and answer for this rank's (`_serve`):
   deadline) fails it, and its blocks are reported as failed loads, so vLLM recomputes them (`kv_load_failure_policy:
   recompute`); either way the request is reported finished receiving, never waited on forever.
 
-Every rank serves its agent's metadata and KV regions at the side channel (`AgentInfo`); a prefill rank fetches
-its decode peer's once per agent (a restarted server is a new agent: the old one is dropped when a new agent
-answers at its address, when nothing answers there, or when a write to it fails). Where UCX says which transport it picked (`ucx_transport`),
-the first transfer to a peer reports it to the worker beside vLLM.
+Where UCX says which transport it picked (`ucx_transport`), the first transfer to a peer reports it to the worker
+beside vLLM; a dropped peer is reported too.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ import contextlib
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from collections import deque
@@ -40,15 +36,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
 from splitserve.vllm_engine.in_vllm.control_link import ControlLink
+from splitserve.vllm_engine.in_vllm.layerwise_peers import LocalKV, Peer, Peers
 from splitserve.vllm_engine.in_vllm.layerwise_plan import LayerwiseStepPlan, ProducerPlan
 from splitserve.vllm_engine.in_vllm.layerwise_wire import (
-    AgentInfo,
     LayerwiseSettings,
     LayerwiseTicket,
-    Region,
     WireError,
     abort_notice,
     done_notice,
@@ -63,20 +57,8 @@ log = logging.getLogger("splitserve.vllm_layerwise")
 SPIN_S = float(os.environ.get("SPLITSERVE_VLLM_KV_POLL_US", "0")) * 1e-6 or None
 IDLE_MAX_S = 0.05  # the poll's backoff at rest
 GRACE_S = 2.0  # after a ticket's deadline, for a write posted just before it to land
-FETCH_TIMEOUT_S = 5.0  # a decode rank's metadata
-PROBE_S, PROBE_TIMEOUT_S = 5.0, 2.0  # how often loaded peers are asked who they are, and how long they may take
 EARLY_KEEP_S = 120.0  # a notice or release that came before its reservation is kept this long
 IDLE_WAIT_S = 0.01  # an engine step without a forward waits this long for a transfer to end
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-@dataclass
-class _Peer:
-    endpoint: str
-    info: AgentInfo
-    prep: Any  # the remote prepped descriptor list
-    row_offsets: np.ndarray  # first flat index of each (layer, region) row of its list
-    reported: bool = False
 
 
 @dataclass
@@ -87,7 +69,7 @@ class _Producer:
     num_prompt: int = 0
     computed: int = 0  # tokens whose KV is in this rank's cache for every layer
     ticket: LayerwiseTicket | None = None
-    peer: _Peer | None = None
+    peer: Peer | None = None
     sent: list[int] = field(default_factory=list)  # per layer: tokens posted (or not needed) so far
     inflight: deque = field(default_factory=deque)  # (handle, bytes)
     bytes_done: int = 0
@@ -118,7 +100,6 @@ class LayerwiseMover:
         self.agent_name = f"ss-{engine}-dp{dp_rank}-tp{tp_rank}"
         self.endpoint = f"tcp://{settings.side_channel_host}:{settings.side_channel_port + dp_rank * tp_size + tp_rank}"
         self._q: queue.Queue[tuple] = queue.Queue()
-        self._loads: queue.Queue[tuple[str, LayerwiseTicket] | None] = queue.Queue()
         self._lock = threading.Lock()  # what the forward thread reads: results
         self._sending_over: set[str] = set()  # finished producers' req ids whose transfer is over, to report
         self._recv_over: list[tuple[str, tuple[int, ...] | None]] = []  # (req id, failed block ids or None)
@@ -126,8 +107,6 @@ class LayerwiseMover:
         self._by_req: dict[str, str] = {}  # producer req id -> key
         self._consumers: dict[str, _Consumer] = {}  # key -> reservation
         self._early: dict[str, tuple[float, tuple]] = {}  # key -> (when, notice or release) before its reservation
-        self._peers: dict[str, _Peer] = {}  # agent name -> peer
-        self._peers_lock = threading.Lock()  # the mover thread changes the peers, the loader thread reads them
         self._closed = threading.Event()
         self._step: list[ProducerPlan] = []  # this step's producers (forward thread)
         self._idle = False  # this step runs no forward (forward thread)
@@ -144,47 +123,15 @@ class LayerwiseMover:
 
     # == setup (vLLM's register_kv_caches) ========================================================================
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = sorted(kv_caches, key=lambda n: (_layer_index(n), list(kv_caches).index(n)))
-        self.layer_index = {n: i for i, n in enumerate(names)}
-        regions: list[Region] = []
-        per_layer = 0
-        first = kv_caches[names[0]]
-        self._cuda = first.is_cuda
-        self.mem_type = "VRAM" if first.is_cuda else "DRAM"
-        self.device_id = first.device.index or 0
-        for name in names:
-            rs = _regions(kv_caches[name], self.num_blocks, name)
-            if per_layer and len(rs) != per_layer:
-                raise ValueError(f"layer {name}: {len(rs)} KV regions, other layers {per_layer}")
-            per_layer = len(rs)
-            regions += rs
-        self.regions = tuple(regions)
-        self.regions_per_layer = per_layer
-        self.num_layers = len(names)
-        storages: dict[int, int] = {}
-        for kv in kv_caches.values():
-            s = kv.untyped_storage()
-            storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
-        self._reg = self.nixl.register_memory([(ptr, n, self.device_id, "") for ptr, n in storages.items()],
-                                              self.mem_type)
-        self._local_prep, self._local_offsets = _prep(self.nixl, "NIXL_INIT_AGENT", self.regions, self.device_id,
-                                                      self.mem_type)
-        self.info = AgentInfo(self.agent_name, self.nixl.get_agent_metadata(), self.mem_type, self.device_id,
-                              per_layer, self.regions)
-        self._server = zmq.Context.instance().socket(zmq.REP)
-        self._server.setsockopt(zmq.LINGER, 0)
-        try:
-            self._server.bind(self.endpoint)
-        except zmq.ZMQError as e:
-            raise RuntimeError(f"the layerwise KV connector cannot serve its NIXL metadata at {self.endpoint}: {e} "
-                               f"(vllm.sideChannelPort)") from None
-        self._threads = [threading.Thread(target=self._run, name="splitserve-kv-mover", daemon=True),
-                         threading.Thread(target=self._load_loop, name="splitserve-kv-peers", daemon=True),
-                         threading.Thread(target=self._serve, name="splitserve-kv-meta", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self.kv = LocalKV(self.nixl, self.agent_name, kv_caches, self.num_blocks)
+        self.num_layers = self.kv.num_layers
+        self._cuda = self.kv.cuda
+        self.peers = Peers(self.nixl, self.kv, self.tp_rank, self._q.put, self._dropped, self._closed)
+        self._threads = [self.kv.serve(self.endpoint, self._closed),
+                         threading.Thread(target=self._run, name="splitserve-kv-mover", daemon=True)]
+        self._threads[-1].start()
         log.info("layerwise KV connector: agent %s, %d layers x %d regions, %d blocks, metadata at %s",
-                 self.agent_name, self.num_layers, per_layer, self.num_blocks, self.endpoint)
+                 self.agent_name, self.num_layers, self.kv.regions_per_layer, self.num_blocks, self.endpoint)
 
     # == the forward thread's calls ===============================================================================
     def begin_step(self, plan: LayerwiseStepPlan) -> None:
@@ -200,7 +147,7 @@ class LayerwiseMover:
         if self._cuda:  # the layer's KV is written once the work queued so far on this stream has run
             event = torch.cuda.Event()
             event.record()
-        self._q.put(("layer", self._step, self.layer_index[layer_name], event))
+        self._q.put(("layer", self._step, self.kv.layer_index[layer_name], event))
 
     def step_done(self) -> None:
         """The step's forward is queued (on a GPU, not necessarily run: the mover waits for an event recorded
@@ -305,25 +252,25 @@ class LayerwiseMover:
                               "connector moves equal shards only")
                 return
             p.sent = [ticket.first_block * ticket.block_size] * self.num_layers
-            self._loads.put((key, ticket))
+            self.peers.want(key, ticket)
         elif kind == "peer":  # the loader fetched a decode rank's metadata (or failed to)
             _, key, name, endpoint, info, error = item
             p = self._producers.get(key)
             if p is None or p.over:
                 return
-            peer = self._peers.get(name) if not error else None
+            peer = self.peers.get(name) if not error else None
             if peer is None and not error:
                 if info is None:  # known when the loader looked, dropped since
                     error = "its agent was dropped meanwhile"
                 else:
-                    peer, error = self._load_peer(name, endpoint, info)
+                    peer, error = self.peers.load(name, endpoint, info)
             if peer is None:
                 self._fail(p, f"decode rank {endpoint}: {error}")
             else:
                 p.peer = peer
                 self._send(p, self.num_layers, p.computed, p.block_ids)
         elif kind == "drop_peer":
-            self._drop_peer(item[1], item[2])
+            self.peers.drop(item[1], item[2])
         elif kind == "drop":
             p = self._producers.get(item[1])
             if p is not None and p.ticket is None:
@@ -384,7 +331,7 @@ class LayerwiseMover:
             start = stop
         self._maybe_done(p)
 
-    def _post(self, p: _Producer, peer: _Peer, t: LayerwiseTicket, layers: list[int], a: int, b: int,
+    def _post(self, p: _Producer, peer: Peer, t: LayerwiseTicket, layers: list[int], a: int, b: int,
               block_ids: tuple[int, ...]) -> None:
         bs = t.block_size
         a = max(a, t.first_block * bs)
@@ -395,12 +342,12 @@ class LayerwiseMover:
         dst = np.asarray(t.block_ids[blk0 - t.first_block:blk1 - t.first_block], dtype=np.int64)
         if len(src) != blk1 - blk0:
             raise ValueError(f"{p.key}: the request holds {len(block_ids)} blocks, {blk1} needed")
-        per = self.regions_per_layer
+        per = self.kv.regions_per_layer
         rows = (np.asarray(layers, dtype=np.int64)[:, None] * per + np.arange(per)[None, :]).reshape(-1)
-        local = (self._local_offsets[rows][:, None] + src[None, :]).reshape(-1)
-        remote = (peer.row_offsets[rows][:, None] + dst[None, :]).reshape(-1)
-        nbytes = int(sum(self.regions[r].block_bytes for r in rows)) * len(src)
-        handle = self.nixl.make_prepped_xfer("WRITE", self._local_prep, local.astype(np.int32), peer.prep,
+        local = (self.kv.offsets[rows][:, None] + src[None, :]).reshape(-1)
+        remote = (peer.offsets[rows][:, None] + dst[None, :]).reshape(-1)
+        nbytes = int(sum(self.kv.regions[r].block_bytes for r in rows)) * len(src)
+        handle = self.nixl.make_prepped_xfer("WRITE", self.kv.prep, local.astype(np.int32), peer.prep,
                                              remote.astype(np.int32))
         if self.nixl.transfer(handle) == "ERR":
             self.nixl.release_xfer_handle(handle)
@@ -447,7 +394,7 @@ class LayerwiseMover:
         p.failed = reason
         log.warning("layerwise KV transfer %s stopped: %s", p.key, reason)
         if drop_peer and p.peer is not None:
-            self._drop_peer(p.peer.info.agent, reason)
+            self.peers.drop(p.peer.info.agent, reason)
         self._finish_failed(p)
 
     def _finish_failed(self, p: _Producer) -> None:
@@ -462,7 +409,7 @@ class LayerwiseMover:
         # a ticket this rank holds no request for (another data-parallel engine's, or one that never ran here)
         # sends no notice: the rank that ran it speaks for it, or the receiver's deadline does
         if p.req_id is not None and p.ticket is not None and p.peer is not None and \
-                p.peer.info.agent in self._peers:
+                self.peers.known(p.peer.info.agent):
             try:
                 self.nixl.send_notif(p.peer.info.agent, abort_notice(p.ticket.key, p.failed))
             except Exception:  # noqa: BLE001  the receiver's deadline covers a notice that cannot go
@@ -495,7 +442,7 @@ class LayerwiseMover:
             return
         self.link.send("transport", peer=peer.info.agent, host=peer.endpoint.removeprefix("tcp://"),
                        transport=table.transport,
-                       local_mem=self.mem_type, remote_mem=peer.info.mem_type, rank=self.tp_rank)
+                       local_mem=self.kv.mem_type, remote_mem=peer.info.mem_type, rank=self.tp_rank)
 
     # -- decode side: notices --------------------------------------------------------------------------------------
     def _on_notice(self, kind: str, key: str, nbytes: int, reason: str) -> None:
@@ -552,148 +499,12 @@ class LayerwiseMover:
                 self._early.pop(key, None)
         return got
 
-    # -- peers ---------------------------------------------------------------------------------------------------
-    def _load_loop(self) -> None:
-        """Fetch the metadata of the decode ranks tickets name (the mover thread loads them into NIXL: every
-        NIXL call but the metadata answer is the mover's); between tickets, ask every PROBE_S each loaded peer who
-        answers at its address, and have it dropped otherwise (its server stopped, or restarted: a new agent)."""
-        next_probe = time.monotonic() + PROBE_S
-        while not self._closed.is_set():
-            try:
-                item = self._loads.get(timeout=max(0.0, next_probe - time.monotonic()))
-            except queue.Empty:
-                self._probe_peers()
-                next_probe = time.monotonic() + PROBE_S
-                continue
-            if item is None:
-                return
-            key, ticket = item
-            name = f"ss-{ticket.engine}-dp{ticket.dp_rank}-tp{self.tp_rank}"
-            endpoint = ticket.rank_endpoint(self.tp_rank)
-            with self._peers_lock:
-                known = name in self._peers
-            info, error = None, ""
-            if not known:
-                try:
-                    info = self._fetch_peer(name, endpoint)
-                except (WireError, RuntimeError, zmq.ZMQError) as e:
-                    error = str(e) or type(e).__name__
-            self._q.put(("peer", key, name, endpoint, info, error))
-
-    def _fetch_peer(self, name: str, endpoint: str) -> AgentInfo:
-        info = AgentInfo.decode(_fetch(endpoint))
-        if info.agent != name:
-            raise WireError(f"the agent there is {info.agent!r}, the ticket names {name!r} (a restarted server?)")
-        mine = (self.num_layers, tuple(r.block_bytes for r in self.regions[:self.regions_per_layer]))
-        if info.shape() != mine:
-            raise WireError(f"its KV layout (layers, block bytes per region) {info.shape()} differs from this "
-                            f"server's {mine}")
-        return info
-
-    def _probe_peers(self) -> None:
-        with self._peers_lock:
-            peers = [(name, peer.endpoint) for name, peer in self._peers.items()]
-        for name, endpoint in peers:
-            try:
-                answer = AgentInfo.decode(_fetch(endpoint, PROBE_TIMEOUT_S)).agent
-            except (WireError, RuntimeError, zmq.ZMQError) as e:
-                answer = f"nothing ({e})"
-            if answer != name:
-                self._q.put(("drop_peer", name, f"{answer} answers at {endpoint}"))
-
-    def _load_peer(self, name: str, endpoint: str, info: AgentInfo) -> tuple[_Peer | None, str]:
-        """(the peer, "") once its agent is loaded into NIXL, or (None, why); an agent loaded before at the same
-        address is dropped (that server restarted)."""
-        for old in [n for n, p in list(self._peers.items()) if p.endpoint == endpoint]:
-            self._drop_peer(old, f"{name} answers at {endpoint} now")
-        try:
-            self.nixl.add_remote_agent(info.metadata)
-            prep, offsets = _prep(self.nixl, info.agent, info.regions, info.device_id, info.mem_type)
-        except Exception as e:  # noqa: BLE001  NIXL's own errors: the metadata did not load
-            return None, f"NIXL could not load agent {info.agent}: {e}"
-        peer = _Peer(endpoint, info, prep, offsets)
-        with self._peers_lock:
-            self._peers[name] = peer
-        log.info("NIXL agent %s loaded (%s)", name, endpoint)
-        return peer, ""
-
-    def _drop_peer(self, name: str, why: str) -> None:
-        with self._peers_lock:
-            peer = self._peers.pop(name, None)
-        if peer is None:
-            return
-        log.info("dropping NIXL agent %s: %s", name, why)
-        try:
-            self.nixl.remove_remote_agent(name)
-        except Exception as e:  # noqa: BLE001  already gone in NIXL: nothing left to drop
-            log.debug("remove_remote_agent %s: %s", name, e)
-        self.link.send("dropped", peer=name, host=peer.endpoint.removeprefix("tcp://"), rank=self.tp_rank)
-
-    def _serve(self) -> None:
-        """Answer every request at the side channel with this rank's `AgentInfo`."""
-        raw = self.info.encode()
-        poller = zmq.Poller()
-        poller.register(self._server, zmq.POLLIN)
-        while not self._closed.is_set():
-            if not poller.poll(200):
-                continue
-            try:
-                self._server.recv(zmq.NOBLOCK)
-                self._server.send(raw)
-            except zmq.ZMQError as e:
-                log.debug("metadata server: %s", e)
-        self._server.close(linger=0)
+    def _dropped(self, name: str, endpoint: str) -> None:
+        self.link.send("dropped", peer=name, host=endpoint.removeprefix("tcp://"), rank=self.tp_rank)
 
     def shutdown(self) -> None:
         self._closed.set()
-        self._loads.put(None)
+        self.peers.close()
         for t in self._threads:
             t.join(timeout=2.0)
         self.link.close()
-
-
-def _layer_index(name: str) -> int:
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m else 1 << 30
-
-
-def _regions(kv: torch.Tensor, num_blocks: int, name: str) -> list[Region]:
-    """A layer's cache as NIXL regions: blocks on axis 0 (one region: each block K and V together), or on axis 1
-    of a [2, num_blocks, ...] tensor (two regions, K and V); each block must be contiguous."""
-    elsize = kv.element_size()
-    if kv.shape[0] == num_blocks and kv[0].is_contiguous():
-        return [Region(kv.data_ptr(), kv[0].numel() * elsize, kv.stride(0) * elsize, num_blocks)]
-    if kv.ndim > 2 and kv.shape[0] == 2 and kv.shape[1] == num_blocks and kv[0, 0].is_contiguous():
-        return [Region(kv[i].data_ptr(), kv[i, 0].numel() * elsize, kv.stride(1) * elsize, num_blocks) for i in (0, 1)]
-    raise ValueError(f"the layerwise KV connector cannot lay out layer {name}'s cache {tuple(kv.shape)} "
-                     f"strides {kv.stride()} ({num_blocks} blocks)")
-
-
-def _prep(nixl, agent: str, regions: tuple[Region, ...], device_id: int, mem_type: str) -> tuple[Any, np.ndarray]:
-    """A prepped descriptor list of every block of every region (row r's block b at offsets[r] + b): strided rows
-    where this NIXL takes them, one descriptor per block otherwise."""
-    counts = np.asarray([r.num_blocks for r in regions], dtype=np.int64)
-    offsets = np.cumsum(counts) - counts
-    rows = np.asarray([(r.addr, r.block_bytes, device_id, r.stride, r.num_blocks) for r in regions], dtype=np.int64)
-    try:
-        return nixl.prep_xfer_dlist(agent, rows, mem_type), offsets
-    except (TypeError, ValueError, AttributeError):  # a NIXL without strided lists (before 1.5): expand them
-        flat = np.concatenate([np.stack([r.addr + np.arange(r.num_blocks, dtype=np.int64) * r.stride,
-                                         np.full(r.num_blocks, r.block_bytes), np.full(r.num_blocks, device_id)],
-                                        axis=1) for r in regions])
-        return nixl.prep_xfer_dlist(agent, flat, mem_type), offsets
-
-
-def _fetch(endpoint: str, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-    try:
-        sock.connect(endpoint)
-        sock.send(b"meta")
-        return sock.recv()
-    except zmq.Again:
-        raise RuntimeError(f"no answer within {timeout_s:g} s") from None
-    finally:
-        sock.close(linger=0)
