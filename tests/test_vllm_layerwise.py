@@ -269,4 +269,5 @@ def test_a_decode_worker_killed_under_load_costs_no_stream_and_its_restart_is_wr
         if remote_ok(cluster, 0) > before:
             break
     assert remote_ok(cluster, 0) > before, "the restarted decode worker got no remote prefill"
-    assert new in worker(cluster, "prefill", 0).get("kv_transports", {})
+    wait_until(lambda: new in worker(cluster, "prefill", 0).get("kv_transports", {}), 60,
+               "the prefill worker's health never named the restarted decode server")  # the gateway polls health
