@@ -53,6 +53,9 @@ FRESH = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    # UCX's transport tables under the test's own directory: a SIGKILLed worker cannot remove its server's
+    ucx = os.environ.get("SPLITSERVE_UCX_LOG_DIR")
+    os.environ["SPLITSERVE_UCX_LOG_DIR"] = str(tmp_path_factory.mktemp("ucx"))
     up = Up("--engine", "vllm", "--mode", "disaggregated", "--prefill", "1", "--decode", "2",
             "--disagg-threshold", "64", "--transfer-timeout", str(TIMEOUT_S), "--kv-pool", timeout=1500)
     restarted: list[subprocess.Popen] = []
@@ -68,6 +71,10 @@ def cluster(tmp_path_factory):
                 proc.kill()
                 proc.wait(10)
     assert up.stop() == 0
+    if ucx is None:
+        os.environ.pop("SPLITSERVE_UCX_LOG_DIR", None)
+    else:
+        os.environ["SPLITSERVE_UCX_LOG_DIR"] = ucx
 
 
 # == helpers ======================================================================================================
