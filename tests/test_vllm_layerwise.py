@@ -54,27 +54,25 @@ FRESH = [
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # UCX's transport tables under the test's own directory: a SIGKILLed worker cannot remove its server's
-    ucx = os.environ.get("SPLITSERVE_UCX_LOG_DIR")
-    os.environ["SPLITSERVE_UCX_LOG_DIR"] = str(tmp_path_factory.mktemp("ucx"))
-    up = Up("--engine", "vllm", "--mode", "disaggregated", "--prefill", "1", "--decode", "2",
-            "--disagg-threshold", "64", "--transfer-timeout", str(TIMEOUT_S), "--kv-pool", timeout=1500)
-    restarted: list[subprocess.Popen] = []
-    up.restarted = restarted
-    up.logs = tmp_path_factory.mktemp("restarted")
-    yield up
-    for proc in restarted:  # workers this module started again: not `up`'s to stop
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(150)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-    assert up.stop() == 0
-    if ucx is None:
-        os.environ.pop("SPLITSERVE_UCX_LOG_DIR", None)
-    else:
-        os.environ["SPLITSERVE_UCX_LOG_DIR"] = ucx
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPLITSERVE_UCX_LOG_DIR", str(tmp_path_factory.mktemp("ucx")))
+    try:
+        up = Up("--engine", "vllm", "--mode", "disaggregated", "--prefill", "1", "--decode", "2",
+                "--disagg-threshold", "64", "--transfer-timeout", str(TIMEOUT_S), "--kv-pool", timeout=1500)
+        up.restarted = []  # workers this module starts again: not `up`'s to stop
+        up.logs = tmp_path_factory.mktemp("restarted")
+        yield up
+        for proc in up.restarted:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(150)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+        assert up.stop() == 0
+    finally:
+        mp.undo()
 
 
 # == helpers ======================================================================================================
