@@ -18,6 +18,19 @@ replays a shared trace at each --trace-rates rate against each engine's 1P+1D: g
 SLOs) per GPU.
 Needs vLLM importable by `python3` (engine vllm starts `python3 -m vllm.entrypoints.openai.api_server`).
 Prints a table, then the JSON line; --out writes it.
+
+--connectors layerwise,push,pull compares engine vllm's KV connectors (`vllm.connector`) on the same host instead,
+with the same model shape, flags and requests: a colocated server, then 1P+1D with each connector, per --layouts
+(`two`: prefill on GPU 0, decode on GPU 1; `one`: both servers on GPU 0). Per connector:
+  pd_tail_ms          TTFT(1P+1D) - TTFT(colocated) across two GPUs: medians over --handover-requests (>= 24)
+                      one at a time, --handover-len-token prompts
+  decode_step_ms      the 1P+1D decode step at batch 1 (inter-token latency)
+  one_gpu_pd_tail_ms  the same tail with both servers on one GPU (and one_gpu_decode_step_ms)
+  goodput_per_gpu     with --trace, 1P+1D across two GPUs at each --trace-rates rate (azure_code at 6 req/s:
+                      `--trace azure_code --trace-rates 6`)
+and writes benchmarks/results/vllm_connectors_<--tag>.json (a table, then the JSON line). The one-GPU part alone
+fits one H200 in under 10 minutes:
+  python3 benchmarks/serving_vllm_gpu.py --connectors layerwise,push,pull --layouts one --requests 0 --tag h200_one_gpu
 """
 
 from __future__ import annotations
@@ -135,6 +148,85 @@ def run_engine(engine: str, args, model: Path, logs: Path) -> dict:
     return res
 
 
+def run_connector_cluster(args, model: Path, logs: Path, key: str, mode: str, decode_gpu: int, connector: str,
+                          share: float) -> dict:
+    """One engine vllm cluster (colocated, or 1P+1D with `connector`): ready time, the handover's TTFT and decode
+    step medians, its stages, and (1P+1D on two GPUs, with --trace) goodput."""
+    extra = ["--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--engine", "vllm",
+             "--vllm-args", f"--gpu-memory-utilization,{share}"]
+    if mode == "disaggregated":
+        extra += ["--vllm-connector", connector, "--transfer-timeout", "60"]
+        workers = [("prefill", [0], extra), ("decode", [decode_gpu], extra)]
+    else:
+        workers = [("both", [0], extra)]
+    t0 = time.monotonic()
+    try:
+        with Cluster(args, model, mode, workers, logs, key) as c:
+            entry: dict = {"ready_s": round(time.monotonic() - t0, 1)}
+            stages_before = c.stage_totals() if mode == "disaggregated" else {}
+            h = handover(c.url, args)
+            entry.update(ttft_ms=round(h["ttft_ms"], 2), itl_ms=round(h["itl_ms"], 3), ttft_all_ms=h["ttft_all_ms"])
+            if mode == "disaggregated":
+                entry["counters"] = c.counters()
+                entry["stages_ms"] = stage_means_ms(stages_before, c.stage_totals(), early=connector == "layerwise")
+                entry["kv_transports"] = _transports(c.url)
+                if args.trace and decode_gpu != 0:
+                    entry["goodput"] = [goodput(c.url, args, rate) for rate in args.trace_rates]
+    except (RuntimeError, TimeoutError) as e:
+        entry = {"error": str(e)[-1500:]}
+    print(f"[{key}] {entry}", file=sys.stderr, flush=True)
+    return entry
+
+
+def _transports(url: str) -> dict:
+    """What /health says each worker's NIXL agent uses toward its peers."""
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        return {w["role"]: w.get("kv_transports") or {} for w in json.loads(r.read())["workers"]}
+
+
+def compare_connectors(args, model: Path, logs: Path) -> dict:
+    """--connectors: a colocated baseline and 1P+1D per connector, for each layout (see the module's docstring)."""
+    connectors = args.connectors.split(",")
+    out: dict = {"connectors": connectors, "shape": args.shape, "workload": {
+        "handover_len": args.handover_len, "handover_requests": args.handover_requests,
+        "handover_output": args.handover_output, "kv_cache_memory": args.kv_cache_memory,
+        "trace": args.trace or None, "trace_rates": args.trace_rates if args.trace else None},
+        "layouts": args.layouts.split(","), "runs": {}, "logs": str(logs)}
+    per: dict = {c: {} for c in connectors}
+    for layout in out["layouts"]:
+        two = layout == "two"
+        args.gpus = 2 if two else 1  # goodput is per GPU used
+        share = 0.85 if two else args.vllm_gpu_share  # one GPU: the two servers share it
+        prefix = "" if two else "one_gpu_"
+        colo = run_connector_cluster(args, model, logs, f"colocated_{layout}", "colocated", 0, "", share)
+        out["runs"][f"colocated_{layout}"] = colo
+        for c in connectors:
+            key = f"{c}_{layout}"
+            dis = run_connector_cluster(args, model, logs, key, "disaggregated", 1 if two else 0, c, share)
+            out["runs"][key] = dis
+            if "ttft_ms" in dis and "ttft_ms" in colo:
+                per[c][f"{prefix}pd_tail_ms"] = round(dis["ttft_ms"] - colo["ttft_ms"], 2)
+                per[c][f"{prefix}decode_step_ms"] = dis["itl_ms"]
+                per[c][f"{prefix}colocated_decode_step_ms"] = colo["itl_ms"]
+            elif "error" in dis:
+                per[c][f"{prefix}error"] = dis["error"][-300:]
+            for g in dis.get("goodput", []):
+                per[c].setdefault("goodput_per_gpu", {})[str(g["offered_rps"])] = g.get("goodput_per_gpu")
+    out["per_connector"] = per
+    return out
+
+
+def connectors_table(out: dict) -> str:
+    rows = ["| connector | pd_tail_ms (2 GPUs) | decode_step_ms | one_gpu_pd_tail_ms | one_gpu_decode_step_ms | "
+            "goodput/GPU |", "|" + " --- |" * 6]
+    for c, r in out["per_connector"].items():
+        rows.append(f"| {c} | {r.get('pd_tail_ms', '-')} | {r.get('decode_step_ms', '-')} | "
+                    f"{r.get('one_gpu_pd_tail_ms', '-')} | {r.get('one_gpu_decode_step_ms', '-')} | "
+                    f"{r.get('goodput_per_gpu', '-')} |")
+    return "\n".join(rows)
+
+
 def table(out: dict) -> str:
     rows = ["| engine | mode | ready s | TTFT ms (1 req) | ITL ms (1 req) | load TTFT p50 s | load ITL p50 s | "
             "load tok/s |", "|" + " --- |" * 8]
@@ -192,6 +284,10 @@ def main() -> None:
     ap.add_argument("--max-input-len", type=int, default=7168)
     ap.add_argument("--max-output-len", type=int, default=512)
     ap.add_argument("--out", default="")
+    ap.add_argument("--connectors", default="",
+                    help="compare these vllm.connector choices (layerwise,push,pull) instead of the engines")
+    ap.add_argument("--layouts", default="two,one", help="--connectors: two (GPUs 0 and 1) and/or one (GPU 0 only)")
+    ap.add_argument("--tag", default="", help="--connectors: writes benchmarks/results/vllm_connectors_<tag>.json")
     args = ap.parse_args()
     try:
         args.trace_rates = [float(x) for x in args.trace_rates.split(",")]
@@ -199,6 +295,26 @@ def main() -> None:
         ap.error(f"--trace-rates: {args.trace_rates!r} is not a comma-separated list of numbers")
     logs = Path(tempfile.mkdtemp(prefix="splitserve-vllm-gpu-"))
     model = model_dir(args.shape, logs)
+    if args.connectors:
+        bad = set(args.connectors.split(",")) - {"layerwise", "push", "pull"}
+        if bad or not set(args.layouts.split(",")) <= {"one", "two"}:
+            ap.error(f"--connectors: {sorted(bad)} not among layerwise,push,pull (or --layouts not among one,two)")
+        if args.handover_requests < 24:
+            args.handover_requests = 24  # medians of at least 24
+        out = compare_connectors(args, model, logs)
+        try:
+            import torch
+
+            out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            out["device"] = "unknown"
+        print(connectors_table(out))
+        path = Path(args.out) if args.out else \
+            Path(__file__).resolve().parent / "results" / f"vllm_connectors_{args.tag or 'run'}.json"
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(json.dumps(out))
+        sys.stdout.flush()
+        os._exit(0)
     out: dict = {"engines": args.engines.split(","), "shape": args.shape, "workload": {
         "handover_len": args.handover_len, "handover_output": args.handover_output,
         "requests": args.requests, "rate": args.rate, "input_len": args.input_len, "output_len": args.output_len,

@@ -31,11 +31,11 @@ log = logging.getLogger("splitserve.decode_worker")
 
 
 async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeService:
-    if spec.engine_of("decode") == "vllm":  # vLLM's own pull (NixlConnector) moves the KV
-        from splitserve.vllm_engine.handover import VllmDecodeHandover
+    if spec.engine_of("decode") == "vllm":  # a KV connector inside vLLM moves the KV (vllm.connector)
+        from splitserve.vllm_engine.handovers import decode_handover
 
         _label_series(with_handover=True)
-        return _service(spec, engine, VllmDecodeHandover(engine), ctx)
+        return _service(spec, engine, decode_handover(spec, engine), ctx)
     # one agent per tensor-parallel rank, each over its own KV shard, composed on this rank (rank 0)
     agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "decode")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)

@@ -23,7 +23,7 @@ log = logging.getLogger("splitserve.prefill_worker")
 
 async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> PrefillService:
     if spec.engine_of("prefill") == "vllm":
-        return _build_vllm(engine)
+        return _build_vllm(spec, engine)
     # one agent per tensor-parallel rank, each over its own KV shard, composed on this rank (rank 0)
     agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "prefill")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
@@ -36,10 +36,10 @@ async def build(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> P
     return PrefillService(engine, handover)
 
 
-def _build_vllm(engine) -> PrefillService:
-    """engine vllm: the prompt's KV stays on this worker's vLLM server until the decode side pulls it."""
-    from splitserve.vllm_engine.handover import VllmPrefillHandover
+def _build_vllm(spec: ClusterSpec, engine) -> PrefillService:
+    """engine vllm: a KV connector inside this worker's vLLM server moves the prompt's KV (vllm.connector)."""
+    from splitserve.vllm_engine.handovers import prefill_handover
 
     for stage in PREFILL_STAGES:
         PREFILL_STAGE.labels(stage)
-    return PrefillService(engine, VllmPrefillHandover(engine))
+    return PrefillService(engine, prefill_handover(spec, engine))

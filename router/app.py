@@ -291,6 +291,7 @@ class HTTPApi:
         indexed = cluster.index.blocks_per_worker() if cluster is not None else {}
         workers = [{"name": w.info.name, "instance_id": w.info.instance_id, "endpoint": w.endpoint,
                     "role": w.info.role, "engine": w.engine or None, "capabilities": sorted(w.capabilities),
+                    "kv_connector": w.kv_connector or None, "kv_transports": w.kv_transports,
                     "state": w.state, "healthy": w.load.healthy, "draining": w.load.draining,
                     "outstanding": w.load.outstanding, "peer_outstanding": w.load.peer_outstanding,
                     "indexed_blocks": indexed.get((w.info.name, w.info.instance_id), 0)}

@@ -40,6 +40,8 @@ class Worker:
     reached: bool = False  # it answered a health check once: a refused connection after that means down
     engine: str = ""  # native | vllm, as its health says ("" until it answered)
     capabilities: frozenset[str] = frozenset()  # as its health says: "resume" (it can continue a moved request)
+    kv_connector: str = ""  # as its health says (engine vllm, disaggregated): layerwise | push | pull
+    kv_transports: dict[str, str] = field(default_factory=dict)  # ... peer -> the transport NIXL uses toward it
 
     @property
     def endpoint(self) -> str:
@@ -172,6 +174,7 @@ class WorkerSet:
         worker.reached = True
         worker.engine = h.engine
         worker.capabilities = h.capabilities
+        worker.kv_connector, worker.kv_transports = h.kv_connector, h.kv_transports
         worker.load.draining = h.draining or worker.info.draining
         role_ok = h.role == worker.info.role or (worker.info.role == "decode" and h.role == "both") or \
             (worker.info.role == "both" and h.role in ("both", "decode"))

@@ -200,11 +200,21 @@ class Worker:
         return True
 
     def health(self) -> HealthReport:
+        control = getattr(self.engine, "control", None)  # engine vllm with the layerwise connector
         return HealthReport(live=not self.dead, ready=self.ready, role=self.role,
                             draining=self.draining or self.switching,
                             model=self.spec.model.served_name, protocol_version=PROTOCOL_VERSION,
                             engine=self.spec.engine_of(self.role),
-                            capabilities=frozenset({"resume"}) if self.role != "prefill" else frozenset())
+                            capabilities=frozenset({"resume"}) if self.role != "prefill" else frozenset(),
+                            kv_connector=self.kv_connector,
+                            kv_transports=dict(control.transports) if control is not None else {})
+
+    @property
+    def kv_connector(self) -> str:
+        """engine vllm in disaggregated mode: its KV connector (vllm.connector); empty otherwise."""
+        if self.spec.engine_of(self.role) != "vllm" or self.role == "both" or self.spec.mode != "disaggregated":
+            return ""
+        return self.spec.vllm.connector
 
     def load(self) -> LoadReport:
         self._need_ready()
@@ -406,7 +416,7 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
     await presence.start()
     worker.presence = presence
     if spec.engine_of(role) == "vllm":
-        from splitserve.vllm_engine.engine import launch
+        from splitserve.vllm_engine.launch import launch
 
         loader = asyncio.ensure_future(launch(spec, role, adv, vllm_url, stop))
     else:

@@ -39,7 +39,7 @@ def lint_imports(layout: Path) -> subprocess.CompletedProcess:
 def test_import_contracts_hold(tmp_path):
     res = lint_imports(package_layout(tmp_path))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
-    assert "0 broken" in res.stdout and "11 kept" in res.stdout
+    assert "0 broken" in res.stdout and "12 kept" in res.stdout
 
 
 @pytest.mark.parametrize("module,imports,contract", [
@@ -58,6 +58,9 @@ def test_import_contracts_hold(tmp_path):
     ("hosts/k8s/_probe.py", "import splitserve.hosts.local.launcher", "Hosts are independent"),
     ("decode_worker/service.py", "import grpc", "Role services: dataclass messages, no gRPC"),
     ("prefill_worker/service.py", "import splitserve.common.worker_client", "Role services: dataclass messages, no gRPC"),
+    ("vllm_engine/server.py", "import splitserve.vllm_engine.in_vllm.pool_connector", "vLLM engine: beside vLLM"),
+    ("vllm_engine/engine.py", "import torch", "vLLM engine: beside vLLM"),
+    ("vllm_engine/in_vllm/_probe.py", "import splitserve.vllm_engine.engine", "Inside vLLM: plain splitserve only"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path, module, imports, contract):
     layout = package_layout(tmp_path)
@@ -67,6 +70,17 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path, module, imports, contr
     assert res.returncode != 0
     broken = [line for line in res.stdout.splitlines() if line.endswith("BROKEN")]
     assert any(line.startswith(contract) for line in broken), res.stdout[-3000:]
+
+
+def test_every_module_beside_vllm_is_under_its_contract():
+    """The "beside vLLM" contract names its source modules one by one (what runs inside vLLM is the same package's
+    subpackage, which may import vLLM); a new module of vllm_engine/ outside in_vllm/ must join the list."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (beside,) = [c for c in config if c["name"].startswith("vLLM engine: beside vLLM")]
+    modules = {f"splitserve.vllm_engine.{p.stem}" for p in (ROOT / "vllm_engine").glob("*.py") if p.stem != "__init__"}
+    assert set(beside["source_modules"]) == modules
 
 
 def test_importing_the_gateway_app_loads_no_torch():

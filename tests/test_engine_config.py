@@ -16,15 +16,15 @@ import yaml
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import load
 from splitserve.engine.interface import BadTicket, HandoverFailed
-from splitserve.vllm_engine.engine import (
+from splitserve.vllm_engine.pull_handover import TICKET, check_ticket, parse_receipt
+from splitserve.vllm_engine.server import VllmPorts, VllmStartError, command, environment
+from splitserve.vllm_engine.wire import (
     VllmProtocolError,
     parse_choice,
     parse_load,
     parse_logprobs,
     request_body,
 )
-from splitserve.vllm_engine.handover import TICKET, check_ticket, parse_receipt
-from splitserve.vllm_engine.server import VllmPorts, VllmStartError, command, environment
 
 BIN = Path(sys.executable).parent / "splitserve"
 PORTS = VllmPorts(8200, 5557, 5600)
@@ -101,8 +101,15 @@ def test_the_vllm_command_follows_the_model():
     auto = cluster(engine="vllm", model={"device": "cpu"}).spec  # auto: float32 on CPU, as for native workers
     auto_cmd = command(auto, "decode", "/models/m", PORTS)
     assert auto_cmd[auto_cmd.index("--dtype") + 1] == "float32"
-    transfer = json.loads(flags["--kv-transfer-config"])
-    assert transfer["kv_connector"] == "NixlConnector" and transfer["kv_load_failure_policy"] == "recompute"
+    transfer = json.loads(flags["--kv-transfer-config"])  # vllm.connector: layerwise by default
+    assert transfer["kv_connector"] == "SplitserveLayerwiseConnector" and transfer["kv_load_failure_policy"] == "recompute"
+    assert transfer["kv_connector_module_path"] == "splitserve.vllm_engine.in_vllm.layerwise_connector"
+    assert transfer["kv_connector_extra_config"]["splitserve_layerwise"]["control"] == "tcp://127.0.0.1:5558"
+    for name, kind in (("pull", "NixlConnector"), ("push", "NixlPushConnector")):
+        other = cluster(engine="vllm", model={"device": "cpu"}, vllm={"connector": name}).spec
+        other_cmd = command(other, "decode", "/m", PORTS)
+        entry = json.loads(other_cmd[other_cmd.index("--kv-transfer-config") + 1])
+        assert entry["kv_connector"] == kind and entry["kv_buffer_device"] == "cpu"
     events = json.loads(flags["--kv-events-config"])
     assert events["endpoint"] == "tcp://127.0.0.1:5557" and events["enable_kv_cache_events"]
     assert cmd[-4:] == ["--quantization", "fp8", "--max-num-partial-prefills", "2"]  # cluster's, then role's
@@ -111,6 +118,7 @@ def test_the_vllm_command_follows_the_model():
     env = environment(spec, "decode", PORTS, "10.0.0.7")
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.7" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["SPLITSERVE_NIXL_PROGRESS_DELAY_US"] == "1000"
+    assert env["SPLITSERVE_UCX_LOG_DIR"].startswith("/tmp/")  # UCX's transport tables, for /health
     big = cluster(engine="vllm", model={"device": "cpu"}, decode={"engine": {"kvCacheMemory": "2.5GiB"}}).spec
     assert environment(big, "decode", PORTS, "h")["VLLM_CPU_KVCACHE_SPACE"] == "3"
     gpu = cluster(engine="vllm", model={"device": "cuda:1"}, decode={"engine": {"kvCacheMemory": "0.8"}}).spec
@@ -182,7 +190,7 @@ def test_what_the_engine_reads_off_vllm():
 def test_the_nixl_pacing_plugin_is_inert_unless_asked():
     """Against the installed NIXL, in fresh interpreters: with the variable, an agent configuration's progress
     delay (which NIXL's agent sets to 0) stays at the asked minimum; without it, nothing is patched."""
-    probe = ("from splitserve.vllm_engine.vllm_plugin import register\nregister()\nimport nixl._api as a\n"
+    probe = ("from splitserve.vllm_engine.in_vllm.vllm_plugin import register\nregister()\nimport nixl._api as a\n"
              "c = a.nixlBind.nixlAgentConfig()\nc.pthrDelay = 0\nprint(c.pthrDelay)\n")
     import os
 
@@ -214,5 +222,9 @@ def test_vllm_cpu_servers_on_one_host_get_cores_of_their_own(monkeypatch):
     assert [cpu_binding(i, 2, 1) for i in range(3)] == ["0,1,2,3", "4,5,6,7", "0,1,2,3"]  # a third wraps around
     assert cpu_binding(1, 2, 2) == "4,5|6,7"  # one list per tensor-parallel rank
     assert cpu_binding(0, 3, 1) == "0,1" and cpu_binding(2, 3, 1) == "4,5"
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1})
+    # more servers than cores: a core each, in turn (two servers on one core beat three on every core)
+    assert [cpu_binding(i, 3, 1) for i in range(3)] == ["0", "1", "0"]
+    assert cpu_binding(0, 2, 2) == "0|1"
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0})
-    assert cpu_binding(1, 2, 1) is None  # fewer cores than servers: vLLM's own binding
+    assert cpu_binding(1, 2, 2) is None  # fewer cores than ranks: vLLM's own binding

@@ -311,7 +311,13 @@ def test_a_vllm_worker_pod_runs_the_server_with_the_gpu_and_the_worker_beside_it
     assert server["command"] == command(resource(VLLM).spec, component, "/models/qwen", ports, python="python3")
     assert flag(server["command"], "--host") == "127.0.0.1" and flag(server["command"], "--model") == "/models/qwen"
     assert json.loads(flag(server["command"], "--kv-events-config"))["endpoint"] == "tcp://127.0.0.1:5557"
-    assert json.loads(flag(server["command"], "--kv-transfer-config"))["kv_connector"] == "NixlConnector"
+    transfer = json.loads(flag(server["command"], "--kv-transfer-config"))  # vllm.connector: layerwise
+    assert transfer["kv_connector"] == "SplitserveLayerwiseConnector"
+    # its control line is the worker's, on loopback inside the pod; its metadata is served at the side channel
+    assert transfer["kv_connector_extra_config"]["splitserve_layerwise"]["control"] == "tcp://127.0.0.1:5558"
+    # ... and the stock image imports it from the files an init container copies
+    assert {"name": "PYTHONPATH", "value": "/opt/splitserve/python"} in server["env"]
+    assert "pool-connector" in {c["name"] for c in pod(objects(VLLM), component)["initContainers"]}
     # the NIXL handshake is on the pod's IP (the downward API), at the side-channel port it declares
     env = {e["name"]: e for e in server["env"]}
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
@@ -327,7 +333,8 @@ def test_a_vllm_worker_pod_runs_the_server_with_the_gpu_and_the_worker_beside_it
     assert server["securityContext"]["readOnlyRootFilesystem"] is True
     for container in (worker, server):
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
-    assert "initContainers" not in spec  # nothing to fetch: the model is on the volume
+    # nothing to fetch (the model is on the volume); only the layerwise connector's files to copy
+    assert [c["name"] for c in spec["initContainers"]] == ["pool-connector"]
     assert spec["terminationGracePeriodSeconds"] == math.ceil(role.drain_seconds) + names.DRAIN_MARGIN_SECONDS
 
 
@@ -377,10 +384,11 @@ def test_a_colocated_vllm_cluster_has_no_kv_transfer_and_serves_the_embedded_mod
 
 def test_device_auto_is_decided_by_the_pods_gpus_not_the_operators_host():
     """This host has no GPU: vllm_engine.server alone would take auto for cpu."""
-    gpu = containers(objects({**VLLM, "model": {"name": "/models/qwen"}}), "decode")["vllm"]
+    gpu = containers(objects({**VLLM, "model": {"name": "/models/qwen"}, "vllm": {"connector": "pull"}}),
+                     "decode")["vllm"]
     assert "--enforce-eager" not in gpu["command"] and not any(e["name"].startswith("VLLM_CPU") for e in gpu["env"])
     assert json.loads(flag(gpu["command"], "--kv-transfer-config"))["kv_buffer_device"] == "cuda"
-    cpu = containers(objects({"engine": "vllm"}), "decode")["vllm"]
+    cpu = containers(objects({"engine": "vllm", "vllm": {"connector": "pull"}}), "decode")["vllm"]
     assert "--enforce-eager" in cpu["command"] and {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"} in cpu["env"]
     assert json.loads(flag(cpu["command"], "--kv-transfer-config"))["kv_buffer_device"] == "cpu"
 

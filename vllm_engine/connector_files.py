@@ -1,9 +1,10 @@
-"""The KV pool connector's files, for a vLLM image without splitserve installed (the stock `vllm/vllm-openai`).
+"""splitserve's vLLM connectors' files, for a vLLM image without splitserve installed (the stock `vllm/vllm-openai`).
 
-vLLM imports `splitserve.vllm_engine.pool_connector` by module path inside its own processes. On Kubernetes a
-worker pod's init container (the worker image) runs `splitserve vllm-connector DIR` into an emptyDir that the
-vLLM container mounts read-only and puts on its PYTHONPATH. What is copied is the connector's import closure
-within splitserve and redis-py (pure Python both); numpy, torch and vLLM are the image's own.
+vLLM imports `splitserve.vllm_engine.in_vllm.pool_connector` (the KV pool's) and `...layerwise_connector` by module
+path inside its own processes. On Kubernetes a worker pod's init container (the worker image) runs `splitserve
+vllm-connector DIR` into an emptyDir that the vLLM container mounts read-only and puts on its PYTHONPATH. What is
+copied is the connectors' import closure within splitserve and redis-py (pure Python both); numpy, torch, pyzmq,
+NIXL and vLLM are the image's own.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import importlib.util
 import shutil
 from pathlib import Path
 
-# splitserve's modules the connector imports (tests/test_vllm_pool_plan.py imports it from a copy alone)
+# splitserve's modules the connectors import (tests/test_vllm_pool_plan.py imports them from a copy alone)
+_IN_VLLM = ("pool_plan", "pool_connector", "layerwise_wire", "control_link", "layerwise_plan", "layerwise_peers",
+            "layerwise_mover", "layerwise_connector", "ucx_transport")
 CONNECTOR_MODULES = ("splitserve", "splitserve.common", "splitserve.common.hashing", "splitserve.common.redis_wire",
-                     "splitserve.vllm_engine", "splitserve.vllm_engine.pool_plan",
-                     "splitserve.vllm_engine.pool_connector")
+                     "splitserve.vllm_engine", "splitserve.vllm_engine.in_vllm",
+                     *(f"splitserve.vllm_engine.in_vllm.{m}" for m in _IN_VLLM))
 PACKAGES = ("redis",)  # copied whole
 
 

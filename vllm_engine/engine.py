@@ -1,58 +1,53 @@
 """vLLM as a `ServingEngine`: a stock vLLM OpenAI server (this worker's child locally, the container beside it in a
-pod) driven over its HTTP API with token ids in and token ids out, its load read off its /metrics, its KV events
-read off its ZMQ publisher and bridged to our chained block hashes (`splitserve.common.vllm_kv_events`).
+pod) driven over its HTTP API with token ids in and token ids out (`wire`), its load read off its /metrics, its KV
+events read off its ZMQ publisher and bridged to our chained block hashes (`kv_events`).
 
 Nothing of vLLM is imported: the worker runs beside the server, never inside it. Everything the server sends is
 validated before use (a chunk that does not parse ends its request with an error). The server is watched: if it
-exits, refuses connections for `REFUSED_DEAD_S` or answers nothing for `SILENT_DEAD_S`, the engine is dead, its streams end with an error,
-and the worker reports itself not live.
+exits, refuses connections for `REFUSED_DEAD_S` or answers nothing for `SILENT_DEAD_S`, the engine is dead, its
+streams end with an error, and the worker reports itself not live.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common.config import ClusterSpec
 from splitserve.common.hashing import hash_token_blocks
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from splitserve.common.sampling import Logprob, SamplingParams
-from splitserve.common.vllm_kv_events import VllmEventError, VllmKVEventBridge
 from splitserve.common.worker_messages import RetryReason
 from splitserve.engine.interface import KVEventListener, ModelFacts
 from splitserve.engine.outputs import RequestOutput
+from splitserve.vllm_engine.control import ControlServer
+from splitserve.vllm_engine.kv_events import VllmEventError, VllmKVEventBridge
 from splitserve.vllm_engine.server import EVENTS_TOPIC, VllmServer, is_cpu
+from splitserve.vllm_engine.wire import (
+    FINISH,
+    MAX_CHUNK,
+    ServerLoad,
+    VllmProtocolError,
+    error_message,
+    parse_choice,
+    parse_load,
+    parse_logprobs,
+    parse_usage,
+    request_body,
+)
 
 log = logging.getLogger("splitserve.vllm")
 
 POLL_S = 0.5  # /metrics (load, liveness)
 REFUSED_DEAD_S = 10.0  # a server refusing connections this long is gone
 SILENT_DEAD_S = 120.0  # a server answering nothing at all this long is stuck
-MAX_CHUNK = 1 << 20  # bytes of one streamed chunk
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-class VllmProtocolError(ValueError):
-    """What the vLLM server sent does not parse as the API we use."""
-
-
-@dataclass
-class _Load:
-    num_waiting: int = 0
-    num_running: int = 0
-    kv_usage: float = 0.0
-    num_kv_blocks: int = 0
 
 
 def model_facts(spec: ClusterSpec, model_dir: Path, max_model_len: int, num_kv_blocks: int) -> ModelFacts:
@@ -69,117 +64,6 @@ def model_facts(spec: ClusterSpec, model_dir: Path, max_model_len: int, num_kv_b
     device = "cpu" if is_cpu(spec) else (spec.model.device if spec.model.device.startswith("cuda") else "cuda")
     return ModelFacts(spec.model.served_name, vocab, max_model_len, frozenset(eos), spec.model.tensor_parallel_size,
                       device, spec.model.block_size, num_kv_blocks)
-
-
-def parse_load(text: str) -> _Load:
-    """vLLM's gauges summed over its engines (data-parallel ranks)."""
-    load = _Load()
-    usage: list[float] = []
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "vllm:num_requests_waiting":
-                load.num_waiting += int(s.value)
-            elif s.name == "vllm:num_requests_running":
-                load.num_running += int(s.value)
-            elif s.name == "vllm:kv_cache_usage_perc":
-                usage.append(float(s.value))
-            elif s.name == "vllm:cache_config_info":
-                blocks = s.labels.get("num_gpu_blocks", "")
-                if blocks.isdigit():
-                    load.num_kv_blocks += int(blocks)
-    load.kv_usage = sum(usage) / len(usage) if usage else 0.0
-    return load
-
-
-def resumed_seed(seed: int, offset: int) -> int:
-    """vLLM's seed for a request resumed at output position `offset` (vLLM's generator cannot skip ahead)."""
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=8).digest(), "big") >> 1
-
-
-def request_body(model: str, request_id: str, prompt: Sequence[int], p: SamplingParams, priority: int,
-                 stream: bool) -> dict[str, Any]:
-    """A /v1/completions body: token ids in, token ids out, no text-level stops (the gateway applies those).
-
-    A moved request (output_offset > 0: its prompt already ends with the output it produced elsewhere) continues
-    greedily exactly; a seeded sampled one draws from vLLM's own generator, seeded from (seed, output_offset), so
-    its continuation is repeatable but not the one an undisturbed run would have sampled."""
-    body: dict[str, Any] = {
-        "model": model, "prompt": list(prompt), "max_tokens": p.max_tokens, "temperature": p.temperature,
-        "top_p": p.top_p, "top_k": p.top_k or -1, "min_tokens": p.min_tokens, "ignore_eos": p.ignore_eos,
-        "stop_token_ids": list(p.stop_token_ids), "return_token_ids": True, "request_id": request_id,
-        "skip_special_tokens": False, "stream": stream}
-    if p.seed is not None:
-        body["seed"] = p.seed if not p.output_offset else resumed_seed(p.seed, p.output_offset)
-    if priority:
-        body["priority"] = priority
-    if p.logprobs is not None:
-        body["logprobs"] = p.logprobs
-        body["return_tokens_as_token_ids"] = True
-    if stream:
-        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    return body
-
-
-def _token_id(text: Any) -> int:
-    if not isinstance(text, str) or not text.startswith("token_id:") or not text[9:].isdigit():
-        raise VllmProtocolError(f"logprobs token {str(text)[:40]!r} is not token_id:N")
-    return int(text[9:])
-
-
-def parse_logprobs(lp: Any, n: int, want: int | None) -> list[Logprob]:
-    if want is None:
-        return []
-    if not isinstance(lp, dict):
-        raise VllmProtocolError("choices[0].logprobs: not an object")
-    tokens, values, tops = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
-    if not (isinstance(tokens, list) and isinstance(values, list) and len(tokens) == len(values) == n):
-        raise VllmProtocolError("choices[0].logprobs: tokens and token_logprobs do not match token_ids")
-    out = []
-    for i in range(n):
-        top: list[tuple[int, float]] = []
-        if want and isinstance(tops, list) and i < len(tops) and isinstance(tops[i], dict):
-            top = sorted(((_token_id(k), float(v)) for k, v in tops[i].items()), key=lambda t: -t[1])[:want]
-        value = values[i]
-        out.append(Logprob(_token_id(tokens[i]), float(value) if isinstance(value, int | float) else float("-inf"),
-                           top))
-    return out
-
-
-def parse_choice(chunk: Any, vocab_size: int) -> tuple[list[int], Any, str | None, Any]:
-    """(token ids, logprobs, finish_reason, stop_reason) of a completion (chunk) with one choice."""
-    if not isinstance(chunk, dict):
-        raise VllmProtocolError("not a JSON object")
-    if "error" in chunk:
-        err = chunk["error"]
-        raise VllmProtocolError(str(err.get("message") if isinstance(err, dict) else err)[:500])
-    choices = chunk.get("choices")
-    if not isinstance(choices, list) or len(choices) > 1:
-        raise VllmProtocolError("choices: not a list of at most one")
-    if not choices:
-        return [], None, None, None
-    c = choices[0]
-    if not isinstance(c, dict):
-        raise VllmProtocolError("choices[0]: not an object")
-    ids = c.get("token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
-        raise VllmProtocolError("choices[0].token_ids: not token ids of this model")
-    finish = c.get("finish_reason")
-    if finish is not None and not isinstance(finish, str):
-        raise VllmProtocolError("choices[0].finish_reason: not a string")
-    return ids, c.get("logprobs"), finish, c.get("stop_reason")
-
-
-def parse_usage(chunk: dict) -> tuple[int, int, int] | None:
-    """(prompt, cached, completion) tokens from a usage object, if there is one."""
-    usage = chunk.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-    values = (usage.get("prompt_tokens"), cached or 0, usage.get("completion_tokens"))
-    if not all(isinstance(v, int) and v >= 0 for v in values):
-        raise VllmProtocolError("usage: not token counts")
-    return values  # type: ignore[return-value]
 
 
 def events_socket(endpoint: str) -> Any:
@@ -200,7 +84,8 @@ class VllmEngine:
     """The engine a vLLM worker's roles use (see the module's docstring)."""
 
     def __init__(self, spec: ClusterSpec, base_url: str, events_endpoint: str, facts: ModelFacts,
-                 server: VllmServer | None = None, events: Any = None, pool_worker: str | None = None) -> None:
+                 server: VllmServer | None = None, events: Any = None, pool_worker: str | None = None,
+                 control: ControlServer | None = None, side_channel: tuple[str, int] = ("", 0)) -> None:
         self.spec = spec
         self.base_url = base_url
         self.events_endpoint = events_endpoint
@@ -211,7 +96,7 @@ class VllmEngine:
         self._listeners: list[KVEventListener] = []
         self._held: set[int] = set()  # our hashes of the blocks vLLM holds (as its events told)
         self.bridge = VllmKVEventBridge(self.model, facts.block_size, EVENTS_TOPIC)
-        self._load = _Load(num_kv_blocks=facts.num_kv_blocks)
+        self._load = ServerLoad(num_kv_blocks=facts.num_kv_blocks)
         self._last_answer = time.monotonic()
         self._prefill_pending: dict[str, int] = {}  # request id -> prompt tokens, until its first output
         self._responses: dict[str, httpx.Response] = {}  # streams in flight, to abort
@@ -220,6 +105,8 @@ class VllmEngine:
         self._client: httpx.AsyncClient | None = None
         self._zmq: Any = events  # the bound SUB socket (`events_socket`), or None: bound at start
         self.pool_worker = pool_worker  # the name its server's KV pool connector writes events and stats under
+        self.control = control  # the line to its server's layerwise connector (vllm.connector layerwise)
+        self.side_channel = side_channel  # (host, port) where its server's ranks serve their NIXL metadata
 
     # -- lifetime ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -228,6 +115,8 @@ class VllmEngine:
         self._client = httpx.AsyncClient(base_url=self.base_url, limits=limits,
                                          timeout=httpx.Timeout(10.0, read=None))
         self._tasks = [asyncio.ensure_future(self._watch()), asyncio.ensure_future(self._events())]
+        if self.control is not None:
+            self.control.start()
         url = self.spec.redis.resolved_url()
         if self.pool_worker is not None and url:  # the pool connector's counters, on this worker's /metrics
             from splitserve.common.redis_link import RedisLink
@@ -339,6 +228,8 @@ class VllmEngine:
     async def aclose(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self.control is not None:
+            await self.control.close()
         if self._client is not None:
             await self._client.aclose()
 
@@ -371,7 +262,7 @@ class VllmEngine:
         except ValueError:
             raise VllmProtocolError(f"HTTP {resp.status_code}, not JSON") from None
         if resp.status_code != 200:
-            raise VllmProtocolError(f"HTTP {resp.status_code}: {_message(data)}")
+            raise VllmProtocolError(f"HTTP {resp.status_code}: {error_message(data)}")
         ids, lp, _, _ = parse_choice(data, self.facts.vocab_size)
         if len(ids) != 1:
             raise VllmProtocolError(f"a prefill returned {len(ids)} tokens, not 1")
@@ -414,7 +305,7 @@ class VllmEngine:
                 if resp.status_code != 200:
                     text = (await resp.aread())[:MAX_CHUNK]
                     try:
-                        message = _message(json.loads(text))
+                        message = error_message(json.loads(text))
                     except ValueError:
                         message = text.decode(errors="replace")[:500]
                     yield failed(f"vLLM: HTTP {resp.status_code}: {message}")
@@ -443,7 +334,7 @@ class VllmEngine:
                                         num_output_tokens=n_out)
                     if finish is not None:
                         out.finished = True
-                        out.finish_reason = _FINISH.get(finish, "stop" if finish == "repetition" else "error")
+                        out.finish_reason = FINISH.get(finish, "stop" if finish == "repetition" else "error")
                         out.stop_reason = stop_reason if isinstance(stop_reason, int | str) else None
                         if out.finish_reason == "error":
                             out.error = f"vLLM finished it with {finish!r}"
@@ -478,76 +369,4 @@ class VllmEngine:
             self._aborted.discard(rid)
 
 
-def _message(data: Any) -> str:
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            return str(err.get("message", err))[:500]
-        return str(err)[:500]
-    return str(data)[:500]
-
-
-async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_url: str | None = None,
-                 stop: asyncio.Event | None = None) -> VllmEngine:
-    """Start this worker's vLLM server (or attach to the one beside it at `attach_url`), wait until it is
-    healthy, and return the engine over it, started."""
-    import socket
-    import threading
-    import uuid
-
-    from splitserve.common.model_files import resolve_model
-    from splitserve.common.proc import free_ports
-    from splitserve.vllm_engine.server import VllmPorts, command, environment
-
-    model_dir = resolve_model(spec.model.name, need_weights=spec.model.load_format != "dummy")
-    server = None
-    events = None
-    pool_worker = None
-    if attach_url is None:
-        ports = VllmPorts(*free_ports(3))
-        url = f"http://127.0.0.1:{ports.http}"
-        events = events_socket(f"tcp://127.0.0.1:{ports.events}")
-        # the pool connector's name: unique per server on this host (a server rendered for a pod names itself)
-        identity = (f"{socket.gethostname()}-{ports.http}.vllm-pool", uuid.uuid4().hex[:16])
-        pool_worker = identity[0] if spec.kv_pool.enabled else None
-        server = VllmServer(command(spec, role, str(model_dir), ports, pool_identity=identity),
-                            environment(spec, role, ports, side_channel_host), url, spec.vllm.startup_seconds)
-        server.start()
-    else:
-        pool_worker = f"{socket.gethostname()}.vllm-pool" if spec.kv_pool.enabled else None
-        ports = VllmPorts(0, spec.vllm.events_port, spec.vllm.side_channel_port)
-        url = attach_url.rstrip("/")
-        events = events_socket(f"tcp://127.0.0.1:{ports.events}")
-        server = VllmServer([], {}, url, spec.vllm.startup_seconds)  # not ours to start or stop: health only
-    flag = threading.Event()
-    watcher = asyncio.ensure_future(stop.wait()) if stop is not None else None
-    if watcher is not None:
-        watcher.add_done_callback(lambda _: flag.set())
-    try:
-        await asyncio.to_thread(server.wait_healthy, flag)
-    except BaseException:
-        events.close(linger=0)
-        if attach_url is None:
-            await asyncio.to_thread(server.stop)
-        raise
-    finally:
-        if watcher is not None:
-            watcher.cancel()
-    async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
-        models = (await client.get("/v1/models")).json()
-        metrics = (await client.get("/metrics")).text
-    max_len = spec.model.max_model_len
-    with contextlib.suppress(KeyError, IndexError, TypeError):
-        max_len = int(models["data"][0]["max_model_len"])
-    if not max_len:
-        raise ValueError("the vLLM server did not report its max_model_len")
-    facts = model_facts(spec, model_dir, max_len, parse_load(metrics).num_kv_blocks)
-    engine = VllmEngine(spec, url, f"tcp://127.0.0.1:{ports.events}", facts,
-                        server if attach_url is None else None, events, pool_worker)
-    await engine.start()
-    log.info("vLLM serving %s at %s (%d KV blocks of %d tokens)", facts.name, url, facts.num_kv_blocks,
-             facts.block_size)
-    return engine
-
-
-__all__ = ["VllmEngine", "launch", "model_facts", "parse_load"]
+__all__ = ["VllmEngine", "events_socket", "model_facts", "parse_load"]

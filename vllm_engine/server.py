@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,9 +26,11 @@ from typing import IO
 from splitserve.common.config import ClusterSpec, parse_memory
 from splitserve.common.logs import relay_lines
 from splitserve.common.proc import dying_with_me
-from splitserve.vllm_engine.pool_plan import EXTRA_KEY as POOL_EXTRA_KEY
-from splitserve.vllm_engine.pool_plan import REDIS_URL_ENV
-from splitserve.vllm_engine.vllm_plugin import ENV as PROGRESS_DELAY_ENV
+from splitserve.vllm_engine.connectors import connector
+from splitserve.vllm_engine.in_vllm.pool_plan import EXTRA_KEY as POOL_EXTRA_KEY
+from splitserve.vllm_engine.in_vllm.pool_plan import REDIS_URL_ENV
+from splitserve.vllm_engine.in_vllm.ucx_transport import LOG_DIR_ENV as UCX_LOG_DIR_ENV
+from splitserve.vllm_engine.in_vllm.vllm_plugin import ENV as PROGRESS_DELAY_ENV
 
 log = logging.getLogger("splitserve.vllm")
 SERVER_LOG = logging.getLogger("splitserve.vllm.server")  # the server's own lines, relayed
@@ -42,7 +45,8 @@ class VllmStartError(RuntimeError):
 class VllmPorts:
     http: int  # its OpenAI API, /health and /metrics
     events: int  # its KV event publisher (ZMQ PUB)
-    side_channel: int  # the NixlConnector's handshake (disaggregated roles)
+    side_channel: int  # NIXL's handshake or metadata (disaggregated roles)
+    control: int = 0  # the worker's line to the layerwise connector (ZMQ, loopback)
 
 
 def is_cpu(spec: ClusterSpec) -> bool:
@@ -53,13 +57,17 @@ def is_cpu(spec: ClusterSpec) -> bool:
 
 def cpu_binding(slot: int, slots: int, ranks: int) -> str | None:
     """VLLM_CPU_OMP_THREADS_BIND for the `slot`-th of `slots` vLLM CPU servers on one host: cores of its own, split
-    among its `ranks` tensor-parallel ranks; None when there are fewer cores than ranks on the host. (vLLM binds
+    among its `ranks` tensor-parallel ranks (with more servers than cores, a core per rank, servers taking turns);
+    None when there are fewer cores than ranks on the host. (vLLM binds
     every server's OpenMP threads to all of a NUMA node's cores; two servers' threads on the same cores wait on
     each other's barriers: 1P+1D on 2 cores took 21 s for 12 tokens, against under 2 s bound apart.)"""
     cores = sorted(os.sched_getaffinity(0))
-    per = len(cores) // (slots * ranks)
-    if per < 1:
+    if len(cores) < ranks:
         return None
+    if len(cores) < slots * ranks:  # more servers than cores: each gets ranks cores of its own, shared round-robin
+        start = slot * ranks % (len(cores) - len(cores) % ranks)
+        return "|".join(str(cores[start + r]) for r in range(ranks))
+    per = len(cores) // (slots * ranks)
     start = slot % slots * per * ranks
     return "|".join(",".join(str(c) for c in cores[start + r * per:start + (r + 1) * per]) for r in range(ranks))
 
@@ -113,23 +121,23 @@ def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: 
     cmd += ["--kv-events-config", json.dumps({
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ports.events}",
         "topic": EVENTS_TOPIC})]
-    transfer = kv_transfer_config(spec, role, pool_identity)
+    transfer = kv_transfer_config(spec, role, pool_identity, ports.control)
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
     return cmd + list(spec.vllm.args) + list(spec.role(role).engine.vllm_args)
 
 
-def kv_transfer_config(spec: ClusterSpec, role: str, pool_identity: tuple[str, str] | None = None) -> dict | None:
-    """vLLM's KV connectors for the role: the NixlConnector (disaggregated roles), our KV pool connector
-    (`kvPool.enabled`), or both in a MultiConnector (NIXL first: a remote prefill's pull wins). A load that
-    fails is recomputed by vLLM, never an error."""
+def kv_transfer_config(spec: ClusterSpec, role: str, pool_identity: tuple[str, str] | None = None,
+                       control_port: int = 0) -> dict | None:
+    """vLLM's KV connectors for the role: the handover's (disaggregated roles, `vllm.connector`: `connectors`),
+    our KV pool connector (`kvPool.enabled`), or both in a MultiConnector (the handover's first: a remote prefill's
+    KV wins). A load that fails is recomputed by vLLM, never an error."""
     connectors = []
     if disaggregated(spec, role):
-        connectors.append({"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                           "kv_buffer_device": "cpu" if is_cpu(spec) else "cuda"})
+        connectors.append(connector(spec).entry(spec, is_cpu(spec), control_port or spec.vllm.control_port))
     if spec.kv_pool.enabled:
         connectors.append({"kv_connector": "SplitservePoolConnector", "kv_role": "kv_both",
-                           "kv_connector_module_path": "splitserve.vllm_engine.pool_connector",
+                           "kv_connector_module_path": "splitserve.vllm_engine.in_vllm.pool_connector",
                            "kv_connector_extra_config": pool_extra_config(spec, role, pool_identity)})
     if not connectors:
         return None
@@ -137,6 +145,12 @@ def kv_transfer_config(spec: ClusterSpec, role: str, pool_identity: tuple[str, s
         return {**connectors[0], "kv_load_failure_policy": "recompute"}
     return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": connectors}}
+
+
+def needs_connector_files(spec: ClusterSpec, role: str) -> bool:
+    """Whether the role's vLLM server imports one of splitserve's connectors (a stock vLLM image needs their files
+    copied beside it: `connector_files`)."""
+    return spec.kv_pool.enabled or (disaggregated(spec, role) and connector(spec).name == "layerwise")
 
 
 def pool_extra_config(spec: ClusterSpec, role: str, identity: tuple[str, str] | None) -> dict:
@@ -184,6 +198,8 @@ def environment(spec: ClusterSpec, role: str, ports: VllmPorts, side_channel_hos
             env["UCX_NET_DEVICES"] = "lo"
         if is_cpu(spec) and PROGRESS_DELAY_ENV not in os.environ:  # vllm_plugin: an idle server spins no core
             env[PROGRESS_DELAY_ENV] = "1000"
+        if connector(spec).control and UCX_LOG_DIR_ENV not in os.environ:  # UCX's transport tables, per process
+            env[UCX_LOG_DIR_ENV] = f"/tmp/splitserve-ucx-{ports.http}"
     return env
 
 
@@ -237,7 +253,15 @@ class VllmServer:
             time.sleep(0.5)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `grace_s`."""
+        """SIGTERM the server's process group, SIGKILL it after `grace_s`; then remove the files it left for us
+        (UCX's transport tables)."""
+        try:
+            self._stop(grace_s)
+        finally:
+            if self.env.get(UCX_LOG_DIR_ENV):
+                shutil.rmtree(self.env[UCX_LOG_DIR_ENV], ignore_errors=True)
+
+    def _stop(self, grace_s: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         try:

@@ -441,8 +441,17 @@ class VllmSpec(Spec):
     """Kubernetes: the vLLM server's HTTP port inside a worker pod (local runs pick free ports)."""
     events_port: Port = 5557
     """Kubernetes: the port of the vLLM server's KV event publisher (ZMQ) inside a worker pod."""
+    connector: Literal["layerwise", "push", "pull"] = "layerwise"
+    """How a disaggregated decode worker's vLLM server gets a prompt's KV: layerwise (splitserve's connector: the
+    decode server reserves blocks first and the prefill server writes each layer into them while it computes),
+    push (vLLM's NixlPushConnector: the prefill server writes the whole prompt once computed) or pull (vLLM's
+    NixlConnector: the decode server reads it once computed)."""
     side_channel_port: Port = 5600
-    """Kubernetes: the NixlConnector's handshake port inside a worker pod (disaggregated mode)."""
+    """Kubernetes: the NIXL handshake port inside a worker pod (disaggregated mode): the NixlConnector's, or where
+    the layerwise connector serves its NIXL metadata (a tensor-parallel rank r at this port + r)."""
+    control_port: Port = 5558
+    """Kubernetes: the port of the worker's line to the layerwise connector inside its vLLM server (loopback,
+    inside a worker pod)."""
     startup_seconds: Seconds = 1200.0
     """How long a vLLM server may take to answer /health after it starts (model load, profiling, compilation)."""
 

@@ -89,6 +89,8 @@ class HealthReport:
     protocol_version: int
     engine: str = "native"  # native | vllm
     capabilities: frozenset[str] = frozenset()  # beyond protocol_version: "resume"
+    kv_connector: str = ""  # engine vllm, disaggregated: layerwise | push | pull
+    kv_transports: dict[str, str] = field(default_factory=dict)  # peer -> cuda_ipc | rdma | tcp | shm
 
 
 @dataclass(frozen=True)

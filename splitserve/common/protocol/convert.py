@@ -94,7 +94,8 @@ def prefill_reply_to_pb(request_id: str, r: PrefillReply) -> pb.PrefillResponse:
 def health_to_pb(h: HealthReport) -> pb.HealthResponse:
     return pb.HealthResponse(live=h.live, ready=h.ready, role=h.role, draining=h.draining, model=h.model,
                              protocol_version=h.protocol_version, engine=h.engine,
-                             capabilities=sorted(h.capabilities))
+                             capabilities=sorted(h.capabilities), kv_connector=h.kv_connector,
+                             kv_transports=h.kv_transports)
 
 
 def flip_reply_to_pb(r: FlipReply) -> pb.FlipResponse:
@@ -159,7 +160,8 @@ def prefill_reply_from_pb(m: pb.PrefillResponse) -> PrefillReply:
 def health_from_pb(m: pb.HealthResponse) -> HealthReport:
     return HealthReport(m.live, m.ready, m.role, m.draining, m.model, m.protocol_version,
                         m.engine if m.engine in ("native", "vllm") else "native",
-                        frozenset(c for c in m.capabilities if c in CAPABILITIES))
+                        frozenset(c for c in m.capabilities if c in CAPABILITIES),
+                        m.kv_connector[:32], {k[:256]: v[:32] for k, v in list(m.kv_transports.items())[:256]})
 
 
 def load_from_pb(m: pb.StatsResponse) -> LoadReport:

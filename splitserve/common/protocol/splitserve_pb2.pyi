@@ -159,7 +159,14 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("live", "ready", "role", "model", "protocol_version", "draining", "engine", "capabilities")
+    __slots__ = ("live", "ready", "role", "model", "protocol_version", "draining", "engine", "capabilities", "kv_connector", "kv_transports")
+    class KvTransportsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LIVE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +175,8 @@ class HealthResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     live: bool
     ready: bool
     role: str
@@ -176,7 +185,9 @@ class HealthResponse(_message.Message):
     draining: bool
     engine: str
     capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, live: _Optional[bool] = ..., ready: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., protocol_version: _Optional[int] = ..., draining: _Optional[bool] = ..., engine: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_connector: str
+    kv_transports: _containers.ScalarMap[str, str]
+    def __init__(self, live: _Optional[bool] = ..., ready: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., protocol_version: _Optional[int] = ..., draining: _Optional[bool] = ..., engine: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., kv_connector: _Optional[str] = ..., kv_transports: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -150,8 +150,9 @@ def _fetch_models(resource: ClusterResource, mounts: list[dict[str, Any]],
 
 
 def _pool_connector(resource: ClusterResource, resources: dict[str, Any]) -> dict[str, Any]:
-    """The init container that copies the KV pool's vLLM connector (splitserve's modules it imports, redis-py)
-    into the volume the vLLM container puts on its PYTHONPATH: `images.vllm` may be the stock image."""
+    """The init container that copies splitserve's vLLM connectors (the KV pool's, the layerwise one: the modules
+    they import, redis-py) into the volume the vLLM container puts on its PYTHONPATH: `images.vllm` may be the
+    stock image."""
     images = resource.spec.images
     return {"name": "pool-connector", "image": images.worker, "imagePullPolicy": images.pull_policy,
             "command": ["splitserve", "vllm-connector", CONNECTOR_DIR],
@@ -232,7 +233,7 @@ def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleS
         containers.append(server)
         volumes += server_volumes
     init = _fetch_models(resource, mounts, resources)
-    if vllm and resource.spec.kv_pool.enabled:
+    if vllm and vllm_server.needs_connector_files(resource.spec, role):
         init.append(_pool_connector(resource, resources))
     pod: dict[str, Any] = {
         # SIGTERM starts the drain (the worker leaves the registry, finishes what is in flight, exits).
@@ -292,7 +293,7 @@ def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,
         mounts.append({"name": "cache", "mountPath": names.CACHE_DIR, "readOnly": True})
     if k8s.model_volume:
         mounts.append({"name": "model", "mountPath": k8s.model_mount_path, "readOnly": True})
-    if cluster.kv_pool.enabled:  # the connector vLLM imports, copied by the `pool-connector` init container
+    if vllm_server.needs_connector_files(cluster, role):  # splitserve's connectors, copied by the `pool-connector` init container
         volumes.append({"name": CONNECTOR_VOLUME, "emptyDir": {}})
         mounts.append({"name": CONNECTOR_VOLUME, "mountPath": CONNECTOR_DIR, "readOnly": True})
         env.append({"name": "PYTHONPATH", "value": CONNECTOR_DIR})

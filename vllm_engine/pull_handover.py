@@ -21,7 +21,8 @@ import httpx
 from splitserve.common.sampling import Logprob, SamplingParams
 from splitserve.engine.interface import BadTicket, HandoverFailed, PrefillResult, Reservation
 from splitserve.engine.outputs import RequestOutput
-from splitserve.vllm_engine.engine import VllmEngine, VllmProtocolError
+from splitserve.vllm_engine.engine import VllmEngine
+from splitserve.vllm_engine.wire import VllmProtocolError
 
 TICKET = json.dumps({"handover": "vllm-pull", "v": 1}).encode()
 MAX_RECEIPT = 64 << 10  # bytes

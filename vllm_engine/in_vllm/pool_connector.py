@@ -34,7 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from splitserve.common.redis_wire import ChecksumError, KVEventRecord, PoolNamespace, WireError
-from splitserve.vllm_engine.pool_plan import (
+from splitserve.vllm_engine.in_vllm.layerwise_wire import PARAMS_KEY as LAYERWISE_PARAMS
+from splitserve.vllm_engine.in_vllm.pool_plan import (
     BlockLoad,
     PoolPlanner,
     PoolSettings,
@@ -114,10 +115,12 @@ class SplitservePoolConnector(KVConnectorBase_V1):
     @staticmethod
     def _poolable(request: Request) -> bool:
         """Our hashes name token ids only: requests whose KV depends on more (LoRA, images, a cache salt) and
-        those whose KV a NixlConnector pulls (a remote prefill) stay out of the pool."""
+        those whose KV comes from a prefill server (a NixlConnector's pull, the layerwise push) stay out of the
+        pool."""
         params = getattr(request, "kv_transfer_params", None) or {}
+        pushed = (params.get(LAYERWISE_PARAMS) or {}).get("role") == "consumer"  # the layerwise connector's
         return not (getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
-                    or getattr(request, "cache_salt", None) or params.get("do_remote_prefill"))
+                    or getattr(request, "cache_salt", None) or params.get("do_remote_prefill") or pushed)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._poolable(request):
