@@ -104,12 +104,13 @@ kind: SplitServeCluster
 metadata: {name: moves}
 spec:
   mode: colocated
-  decode: {replicas: 3, drainSeconds: 0.1}
+  decode: {replicas: 3, drainSeconds: 0.1, engine: {batchInvariant: true}}
   router: {stallSeconds: 5}
 """
-# drainSeconds 0.1: the drained worker's streams must outlast it. A fast box decoded the 37 tokens left of 40
-# within 1 s, and nothing was left to move; longer streams drift from their undisturbed text in float rounding
-# (a recomputed prefix is not bit-equal to the decoded one: a seeded draw near a boundary flips)
+# drainSeconds 0.1: the drained worker's streams must outlast it (a fast box decoded the 37 tokens left of 40
+# within 1 s, and nothing was left to move). batchInvariant: a moved stream's recomputed prefix and its next
+# tokens are bit-equal to the undisturbed run's, whatever else shares the survivor's steps (without it a seeded
+# draw near a boundary flips in float rounding)
 
 
 @pytest.fixture(scope="module")

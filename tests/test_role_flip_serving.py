@@ -3,7 +3,7 @@ Redis), 8 seeded streams over the two decode workers, and `splitserve flip` movi
 while its 4 streams run. The command exits 0 once the gateway sees the worker serving prefill (its seconds are
 printed: the 5-s goal is benchmarks/role_flip.py's); every stream completes with the text of its undisturbed run
 (its streams moved to the other decode worker, which continues them: seeded draws are keyed by output
-position); afterwards /health lists the worker as prefill and it computes prompts (its prefill counter rises).
+position, and batch-invariant workers compute each token the same in any batch); afterwards /health lists the worker as prefill and it computes prompts (its prefill counter rises).
 The command's one-line errors come from the same cluster."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ spec:
   prefill: {replicas: 1, engine: {kvCacheMemory: 128MiB}}
   # the streams' prompts and outputs stay under the threshold: each decode worker computes its own (a moved
   # stream's too); the long prompts sent after the flip go to a prefill worker
-  decode: {replicas: 2, disaggThreshold: 96, engine: {kvCacheMemory: 256MiB}}
+  decode: {replicas: 2, disaggThreshold: 96, engine: {kvCacheMemory: 256MiB, batchInvariant: true}}
   router: {policy: round_robin, stallSeconds: 30}
 """
 
