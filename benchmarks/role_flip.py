@@ -47,7 +47,8 @@ CLUSTER = """apiVersion: splitserve.dev/v1alpha1
 kind: SplitServeCluster
 metadata: {{name: role-flip}}
 spec:
-  model: {{name: smollm2, dtype: {dtype}, device: {device}, maxModelLen: 1024}}
+  model: {{name: {model}, servedModelName: smollm2, dtype: {dtype}, device: {device}, maxModelLen: 1024,
+          loadFormat: {load_format}}}
   mode: disaggregated
   redis: {{mode: bundled}}
   prefill: {{replicas: 1, engine: {{kvCacheMemory: 128MiB}}}}
@@ -201,13 +202,17 @@ def main() -> None:
     p.add_argument("--prefill-lead", type=float, default=0.5, help="s between sending them and the flip")
     p.add_argument("--threshold", type=int, default=96, help="decode.disaggThreshold: the streams stay under it")
     p.add_argument("--device", default="cpu", help="model.device of the three workers (cuda: they share one GPU)")
+    p.add_argument("--model", default="smollm2", help="model.name: smollm2 (embedded) or a model directory")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of --model's shape (a directory with config.json and tokenizer files)")
     p.add_argument("--save", default="cpu2", metavar="NAME", help="write benchmarks/results/role_flip_NAME.json, .md")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="role-flip-bench-"))
     config = workdir / "cluster.yaml"
-    config.write_text(CLUSTER.format(threshold=args.threshold, device=args.device,
+    config.write_text(CLUSTER.format(threshold=args.threshold, device=args.device, model=args.model,
+                                     load_format=args.load_format,
                                      dtype="float32" if args.device == "cpu" else "bfloat16"))
     load_start = os.getloadavg()[0]
     log(f"starting splitserve up: 1 prefill + 2 decode workers (load {load_start:.2f})")
@@ -221,10 +226,13 @@ def main() -> None:
     result = {"args": vars(args), "load_1m_start": round(load_start, 2), "flips": flips, "summary": summary}
     if not args.no_save:
         command = (f"`python benchmarks/role_flip.py --rounds {args.rounds} --streams {args.streams} "
-                   f"--max-tokens {args.max_tokens} --drain-seconds {args.drain_seconds} --device {args.device}` on "
+                   f"--max-tokens {args.max_tokens} --drain-seconds {args.drain_seconds} --device {args.device} "
+                   f"--load-format {args.load_format}` on "
                    f"{os.cpu_count()} cores "
                    f"(1-min load {load_start:.1f} at the start, {summary['load_1m']} at the end)")
-        save(f"role_flip_{args.save}", result, report("Role flips on CPU (SmolLM2)", command, text, summary))
+        weights = ", random weights" if args.load_format == "dummy" else ""
+        save(f"role_flip_{args.save}", result, report(f"Role flips on {args.device} (SmolLM2{weights})", command, text,
+                                                      summary))
     print(text)
     print(json.dumps(summary))
 
