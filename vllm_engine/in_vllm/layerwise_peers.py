@@ -216,13 +216,21 @@ def _layer_index(name: str) -> int:
     return int(m.group(1)) if m else 1 << 30
 
 
+def _dense(block: torch.Tensor) -> bool:
+    """Whether a block's elements fill one span of memory with no gaps, in whatever order its dimensions are laid
+    out: a backend's cache may be a permuted view (Hopper's FlashAttention: [blocks, heads, positions, 2 x head_dim]
+    over memory ordered [blocks, positions, heads, ...]). A block moves as bytes, and both sides share the layout."""
+    order = sorted(range(block.ndim), key=block.stride, reverse=True)
+    return block.permute(*order).is_contiguous()
+
+
 def _regions(kv: torch.Tensor, num_blocks: int, name: str) -> list[Region]:
     """A layer's cache as NIXL regions: blocks on axis 0 (one region: each block K and V together), or on axis 1
-    of a [2, num_blocks, ...] tensor (two regions, K and V); each block must be contiguous."""
+    of a [2, num_blocks, ...] tensor (two regions, K and V); each block must be one dense span."""
     elsize = kv.element_size()
-    if kv.shape[0] == num_blocks and kv[0].is_contiguous():
+    if kv.shape[0] == num_blocks and _dense(kv[0]):
         return [Region(kv.data_ptr(), kv[0].numel() * elsize, kv.stride(0) * elsize, num_blocks)]
-    if kv.ndim > 2 and kv.shape[0] == 2 and kv.shape[1] == num_blocks and kv[0, 0].is_contiguous():
+    if kv.ndim > 2 and kv.shape[0] == 2 and kv.shape[1] == num_blocks and _dense(kv[0, 0]):
         return [Region(kv[i].data_ptr(), kv[i, 0].numel() * elsize, kv.stride(1) * elsize, num_blocks) for i in (0, 1)]
     raise ValueError(f"the layerwise KV connector cannot lay out layer {name}'s cache {tuple(kv.shape)} "
                      f"strides {kv.stride()} ({num_blocks} blocks)")
