@@ -22,6 +22,7 @@ import math
 import re
 from typing import Any
 
+from splitserve.common import engines
 from splitserve.common.config import ClusterResource, ClusterSpec, RoleSpec
 from splitserve.common.model_files import EMBEDDED
 from splitserve.hosts.common import redis_options, worker_argv
@@ -198,9 +199,10 @@ def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleS
                pod_labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
     """The pod template of one worker role (`role`: prefill, decode or both)."""
     k8s, images = resource.spec.kubernetes, resource.spec.images
-    vllm = resource.spec.engine_of(role) == "vllm"
+    kind = resource.spec.engine_of(role)
+    server_beside = engines.get(kind).server_beside  # engine vllm: its server is a container of the pod
     volumes, mounts = _volumes(resource, cache=True)
-    if k8s.shm_size and not vllm:  # a vLLM pod's /dev/shm is its server's (`_vllm_server`)
+    if k8s.shm_size and not server_beside:  # a vLLM pod's /dev/shm is its server's (`_vllm_server`)
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_IP", "status.podIP"),
@@ -223,17 +225,17 @@ def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleS
         "securityContext": _security_context(resource),
     }
     containers = [container]
-    if vllm:
+    if server_beside:
         # The worker (still containers[0]: kubectl's default) attaches to the server; the role's resources,
         # GPUs included, are the server's.
-        container["command"] = [*worker_command(role), "--engine", "vllm",
+        container["command"] = [*worker_command(role), "--engine", kind,
                                 "--vllm-url", f"http://127.0.0.1:{resource.spec.vllm.port}"]
         container["resources"] = copy.deepcopy(VLLM_SIDECAR_RESOURCES)
         server, server_volumes = _vllm_server(resource, role, spec, resources)
         containers.append(server)
         volumes += server_volumes
     init = _fetch_models(resource, mounts, resources)
-    if vllm and vllm_server.needs_connector_files(resource.spec, role):
+    if server_beside and vllm_server.needs_connector_files(resource.spec, role):
         init.append(_pool_connector(resource, resources))
     pod: dict[str, Any] = {
         # SIGTERM starts the drain (the worker leaves the registry, finishes what is in flight, exits).
