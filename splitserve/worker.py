@@ -1,8 +1,8 @@
 """A worker process: wires the config to a role's service, behind a gRPC server (`common.protocol.server`, which
 hands it the calls in dataclass messages) and an HTTP server for /metrics, /healthz, /readyz and /stats.
 
-The engine loads in a thread while both servers already answer (readiness is false until the role's service is
-built). Each role assembles its own service (`splitserve.prefill_worker.build`, `splitserve.decode_worker.build`);
+The engine loads (as its entry in `splitserve.common.engines` says) while both servers already answer
+(readiness is false until the role's service is built). Each role assembles its own service (`splitserve.prefill_worker.build`, `splitserve.decode_worker.build`);
 this module knows no role's internals. The HTTP server runs on its own thread and event loop and reads the
 engine's last published counters, so a long step or a busy gRPC loop never delays a probe or a scrape.
 On SIGTERM the worker drains: it reports itself draining (the gateways send it nothing new), finishes its
