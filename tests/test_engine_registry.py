@@ -11,7 +11,7 @@ from typing import get_args
 import pytest
 
 from splitserve.common import engines
-from splitserve.common.config import ClusterSpec, EngineSpec
+from splitserve.common.config import ClusterResource, ClusterSpec, EngineSpec
 from splitserve.common.engines import ENGINES, EngineKind
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +76,13 @@ def test_each_engine_resolves_its_load_and_handover_sides(kind):
         assert list(inspect.signature(fn).parameters) == ["spec", "engine", "ctx"]
     env = entry.resolve_process_env()
     assert env is None or callable(env)
+    pod_server = entry.resolve_pod_server()
+    assert (pod_server is not None) == entry.server_beside
+    if pod_server is not None:  # the server's container, and how the worker beside it attaches
+        resource = ClusterResource.model_validate({"spec": {"engine": kind}})
+        server = pod_server(resource, "decode", resource.spec.decode, {"requests": {"cpu": "1", "memory": "4Gi"},
+                                                                           "limits": {"cpu": "2", "memory": "4Gi"}})
+        assert server.container["name"] == kind and server.worker_args[0] == f"--{kind}-url"
     assert isinstance(entry.connector(ClusterSpec()), str)
 
 

@@ -40,14 +40,25 @@ class Engine:
     its own."""
     shards_handover: bool
     """Its handover streams KV between tensor-parallel (sharded) prefill and decode workers."""
-    server_beside: bool
-    """It is a server beside the worker: a pod runs it as a container of its own, which the worker attaches to
-    (`splitserve worker --vllm-url`); its load sees the worker's stop and stops the server it started."""
+    pod_server: str | None
+    """`module:function`, `(resource, role, role_spec, resources) -> PodServer` (`hosts.k8s.pods`): the engine as
+    a server beside the worker, a container of its pod, which the worker attaches to (`--vllm-url`). None: the
+    engine runs inside the worker process."""
     process_env: str | None
     """`module:function`, `(spec, role, slot, slots) -> dict | None`: environment a host gives the `slot`-th of
     `slots` worker processes it starts on one machine (None: nothing)."""
     connector: Callable[[ClusterSpec], str]
     """The KV connector a disaggregated worker reports in its health ("": the engine's own handover)."""
+
+    @property
+    def server_beside(self) -> bool:
+        """It is a server beside the worker (a pod's container, or locally the worker's child): the worker can
+        attach to one already serving, and its load sees the worker's stop and stops the server it started."""
+        return self.pod_server is not None
+
+    def resolve_pod_server(self) -> Callable[..., Any] | None:
+        """The function `pod_server` names, imported now (None: no server beside the worker)."""
+        return None if self.pod_server is None else _resolve(self.pod_server)
 
     def resolve_load(self) -> Callable[..., Any]:
         """The coroutine function `load` names, imported now."""
@@ -106,10 +117,11 @@ def _check_vllm(spec: ClusterSpec, roles: tuple[str, ...]) -> None:
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("native", load="splitserve.kv_transfer.native:load", handovers="splitserve.kv_transfer.native",
            check=_check_native, takes_threads=True, shards_handover=False,
-           server_beside=False, process_env=None, connector=lambda spec: ""),
+           pod_server=None, process_env=None, connector=lambda spec: ""),
     Engine("vllm", load="splitserve.vllm_engine.launch:launch", handovers="splitserve.vllm_engine.handovers",
            check=_check_vllm, takes_threads=False, shards_handover=True,
-           server_beside=True, process_env="splitserve.vllm_engine.server:process_env",
+           pod_server="splitserve.hosts.k8s.pods:vllm_pod_server",
+           process_env="splitserve.vllm_engine.server:process_env",
            connector=lambda spec: spec.vllm.connector),
 )}
 
