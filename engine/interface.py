@@ -149,3 +149,18 @@ class PrefillHandover(Protocol):
 
     async def close(self) -> None: ...
 
+
+
+class Closeable(Protocol):
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class DecodeSide:
+    """What an engine gives a decode (or colocated) worker's service: the engine it serves from (a KV pool's
+    front, say), its handover (None on a colocated worker, which prefills locally) and what the service closes
+    with it. Each engine's `handovers` module (`splitserve.common.engines`) assembles one."""
+
+    engine: ServingEngine
+    handover: DecodeHandover | None
+    resources: Sequence[Closeable] = ()

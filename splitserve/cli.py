@@ -20,6 +20,7 @@ from splitserve import __version__
 from splitserve.cli_k8s import crd, operator, render
 from splitserve.cli_options import config_command, flag
 from splitserve.cli_simulate import simulate
+from splitserve.common import engines
 from splitserve.common.config import ClusterResource
 from splitserve.common.logs import setup_logging
 from splitserve.common.role_flips import FLIP_DRAIN_SECONDS, FLIP_TIMEOUT_SECONDS
@@ -225,8 +226,9 @@ def _worker_command(name: str, fixed_role: str | None, help_text: str) -> None:
                 vllm_url: str | None, role: str | None = None) -> None:
         if vllm_url is not None and not vllm_url.startswith(("http://", "https://")):
             fail(f"--vllm-url: {vllm_url!r} is not an http:// URL")
-        if vllm_url is not None and resource.spec.engine_of(fixed_role or role or "both") != "vllm":
-            fail("--vllm-url: this worker's engine is native (give --engine vllm)")
+        kind = resource.spec.engine_of(fixed_role or role or "both")
+        if vllm_url is not None and not engines.get(kind).server_beside:
+            fail(f"--vllm-url: this worker's engine is {kind} (give --engine {' or '.join(engines.attaching())})")
         _worker(resource, fixed_role or role or "both", host, worker_name, advertise_host, vllm_url)
 
     command.__doc__ = help_text

@@ -1,8 +1,8 @@
 """A worker process: wires the config to a role's service, behind a gRPC server (`common.protocol.server`, which
 hands it the calls in dataclass messages) and an HTTP server for /metrics, /healthz, /readyz and /stats.
 
-The engine loads in a thread while both servers already answer (readiness is false until the role's service is
-built). Each role assembles its own service (`splitserve.prefill_worker.build`, `splitserve.decode_worker.build`);
+The engine loads (as its entry in `splitserve.common.engines` says) while both servers already answer
+(readiness is false until the role's service is built). Each role assembles its own service (`splitserve.prefill_worker.build`, `splitserve.decode_worker.build`);
 this module knows no role's internals. The HTTP server runs on its own thread and event loop and reads the
 engine's last published counters, so a long step or a busy gRPC loop never delays a probe or a scrape.
 On SIGTERM the worker drains: it reports itself draining (the gateways send it nothing new), finishes its
@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from splitserve.common import engines
 from splitserve.common.config import ClusterResource, ClusterSpec
 from splitserve.common.protocol import PROTOCOL_VERSION
 from splitserve.common.protocol.server import GrpcWorkerServer
@@ -77,28 +78,6 @@ RoleBuilder = Callable[[ClusterSpec, ServingEngine, WorkerContext], Awaitable[An
 STOP_GRACE_SECONDS = 2.0  # after the drain: for the last messages of moved streams, and calls still finishing
 
 ROLES: dict[str, RoleBuilder] = {"prefill": build_prefill, "decode": build_decode, "both": build_colocated}
-
-
-def load_engine(spec: ClusterSpec, role: str) -> ServingEngine:
-    """Load the model with the role's engine settings (runs in a thread)."""
-    from splitserve.engine.host_memory import bound_host_memory
-
-    bound_host_memory()
-    import torch
-
-    from splitserve.engine.async_engine import AsyncEngine
-    from splitserve.engine.config import engine_config
-    from splitserve.engine.llm_engine import LLMEngine
-
-    settings = spec.role(role).engine
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    config = engine_config(spec.model, settings)
-    if role in ("prefill", "decode"):  # every tensor-parallel rank streams its own KV shard
-        from splitserve.kv_transfer.rank_connector import SPEC
-
-        config.parallel.rank_connector = SPEC
-    return AsyncEngine(LLMEngine(config))
 
 
 class Worker:
@@ -211,10 +190,10 @@ class Worker:
 
     @property
     def kv_connector(self) -> str:
-        """engine vllm in disaggregated mode: its KV connector (vllm.connector); empty otherwise."""
-        if self.spec.engine_of(self.role) != "vllm" or self.role == "both" or self.spec.mode != "disaggregated":
+        """In disaggregated mode, the KV connector the engine names (engine vllm: vllm.connector); else empty."""
+        if self.role == "both" or self.spec.mode != "disaggregated":
             return ""
-        return self.spec.vllm.connector
+        return engines.get(self.spec.engine_of(self.role)).connector(self.spec)
 
     def load(self) -> LoadReport:
         self._need_ready()
@@ -415,12 +394,8 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
                                f"{adv}:{role_spec.port}", f"http://{adv}:{role_spec.metrics_port}")
     await presence.start()
     worker.presence = presence
-    if spec.engine_of(role) == "vllm":
-        from splitserve.vllm_engine.launch import launch
-
-        loader = asyncio.ensure_future(launch(spec, role, adv, vllm_url, stop))
-    else:
-        loader = asyncio.ensure_future(asyncio.to_thread(load_engine, spec, role))
+    kind = engines.get(spec.engine_of(role))
+    loader = asyncio.ensure_future(kind.resolve_load()(spec, role, adv, vllm_url, stop))
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
@@ -458,7 +433,7 @@ async def serve(resource: ClusterResource, role: str, host: str, stop: asyncio.E
                 await asyncio.to_thread(worker.engine.shutdown)
             else:
                 worker.engine.shutdown()
-        elif not loader.done() and spec.engine_of(role) == "vllm":  # it sees the stop and stops its server
+        elif not loader.done() and kind.server_beside:  # its load sees the stop and stops its server
             await asyncio.gather(loader, return_exceptions=True)
         # stopped while loading: the load thread finishes on its own; the host decides whether to wait for it
         log.info("worker %s closed", worker.role)

@@ -1,9 +1,12 @@
-"""The handover pair a vLLM worker runs beside its server, as its KV connector (`connectors`) names it."""
+"""The handover pair a vLLM worker runs beside its server, as its KV connector (`connectors`) names it, and the
+sides each role assembles on engine vllm (`splitserve.common.engines`): the KV moves inside the servers, so no
+pool or agent sits in front of the engine here."""
 
 from __future__ import annotations
 
 from splitserve.common.config import ClusterSpec
-from splitserve.engine.interface import DecodeHandover, PrefillHandover
+from splitserve.common.worker_context import WorkerContext
+from splitserve.engine.interface import DecodeHandover, DecodeSide, PrefillHandover
 from splitserve.vllm_engine.connectors import connector
 from splitserve.vllm_engine.engine import VllmEngine
 
@@ -30,3 +33,15 @@ def prefill_handover(spec: ClusterSpec, engine: VllmEngine) -> PrefillHandover:
     from splitserve.vllm_engine.pull_handover import VllmPrefillHandover
 
     return VllmPrefillHandover(engine)
+
+
+async def prefill_side(spec: ClusterSpec, engine: VllmEngine, ctx: WorkerContext) -> PrefillHandover:
+    return prefill_handover(spec, engine)
+
+
+async def decode_side(spec: ClusterSpec, engine: VllmEngine, ctx: WorkerContext) -> DecodeSide:
+    return DecodeSide(engine, decode_handover(spec, engine))
+
+
+async def colocated_side(spec: ClusterSpec, engine: VllmEngine, ctx: WorkerContext) -> DecodeSide:
+    return DecodeSide(engine, None)

@@ -72,6 +72,17 @@ def cpu_binding(slot: int, slots: int, ranks: int) -> str | None:
     return "|".join(",".join(str(c) for c in cores[start + r * per:start + (r + 1) * per]) for r in range(ranks))
 
 
+def process_env(spec: ClusterSpec, role: str, slot: int, slots: int) -> dict[str, str] | None:
+    """A worker process's environment for the `slot`-th of `slots` workers a host starts on one machine: on CPU,
+    its server's OpenMP threads on cores of its own (`cpu_binding`), unless VLLM_CPU_OMP_THREADS_BIND is set
+    already."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or not is_cpu(spec):
+        return None
+    ranks = spec.model.tensor_parallel_size * spec.role(role).engine.data_parallel_size
+    binding = cpu_binding(slot, slots, ranks)
+    return {"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else None
+
+
 def disaggregated(spec: ClusterSpec, role: str) -> bool:
     return role in ("prefill", "decode") and spec.mode == "disaggregated"
 

@@ -15,6 +15,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from splitserve.common import engines
+from splitserve.common.engines import DEFAULT_ENGINE, EngineKind
+
 API_VERSION = "splitserve.dev/v1alpha1"
 KIND = "SplitServeCluster"
 
@@ -94,7 +97,6 @@ class ModelSpec(Spec):
         return self.served_model_name or self.name
 
 
-EngineKind = Literal["native", "vllm"]
 
 # vLLM flags splitserve sets itself from the model (`vllm_engine.server.command`): in `vllmArgs` they are refused.
 VLLM_OWNED_FLAGS = frozenset({
@@ -519,7 +521,7 @@ class ClusterSpec(Spec):
 
     model: ModelSpec = Field(default_factory=ModelSpec)
     """The served model and its engine-wide settings."""
-    engine: EngineKind = "native"
+    engine: EngineKind = DEFAULT_ENGINE
     """The engine every worker runs: native (splitserve's own) or vllm (a vLLM server beside each worker); a
     role's engine.kind overrides it."""
     vllm: VllmSpec = Field(default_factory=VllmSpec)
@@ -574,42 +576,14 @@ class ClusterSpec(Spec):
         return self
 
     def _engines(self) -> None:
-        """What engine vllm cannot honour is refused here, naming the field, never silently ignored."""
+        """What a role's engine cannot honour is refused here (each engine's own checks, `common.engines`), naming
+        the field, never silently ignored."""
         kinds = {name: self.engine_of(name) for name in ("prefill", "decode")}
         if self.mode == "disaggregated" and kinds["prefill"] != kinds["decode"]:
             raise ValueError(f"prefill.engine.kind: prefill workers run {kinds['prefill']} and decode workers "
                              f"{kinds['decode']}; a KV handover is the engine's own, so both roles need one engine")
         roles = ("prefill", "decode") if self.mode == "disaggregated" else ("decode",)
-        for r in roles:
-            if kinds[r] == "native" and self.role(r).engine.data_parallel_size > 1:
-                raise ValueError(f"{r}.engine.dataParallelSize: engine native runs one engine per worker; add "
-                                 f"replicas instead (or use engine vllm)")
-        if not any(kinds[r] == "vllm" for r in roles):
-            return
-        if self.kv_pool.enabled and self.model.tensor_parallel_size > 1:
-            raise ValueError(f"model.tensorParallelSize: the KV pool stores unsharded blocks only (got "
-                             f"{self.model.tensor_parallel_size} with kvPool.enabled and engine vllm); set "
-                             f"kvPool.enabled false or tensorParallelSize 1")
-        if self.model.load_format == "dummy" and self.model.tokenizer:
-            raise ValueError("model.tokenizer: engine vllm loads the tokenizer from the model directory; a "
-                             "separate tokenizer with dummy weights is native only")
-        if self.model.name.endswith(".gguf"):
-            raise ValueError("model.name: engine vllm serves Hugging Face model directories, not .gguf files")
-        if "block_size" not in self.model.model_fields_set:
-            # vLLM's CPU attention needs 32-token blocks; 32 suits its GPU backends as well
-            self.model.__dict__["block_size"] = 32
-        elif self.model.device == "cpu" and self.model.block_size != 32:
-            raise ValueError(f"model.blockSize: vLLM on CPU needs 32-token KV blocks (got {self.model.block_size})")
-        for r in roles:
-            if kinds[r] == "vllm" and self.role(r).engine.max_prefill_tokens_while_decoding:
-                raise ValueError(f"{r}.engine.maxPrefillTokensWhileDecoding: engine native only (vLLM chunks prompts "
-                                 f"under maxNumBatchedTokens and longPrefillTokenThreshold); leave it at 0")
-            if self.role(r).engine.threads:
-                raise ValueError(f"{r}.engine.threads: engine vllm picks its own CPU threads (VLLM_CPU_OMP_THREADS_BIND "
-                                 f"in the worker's environment); leave threads at 0")
-            if self.role(r).engine.batch_invariant and self.model.device == "cpu":
-                raise ValueError(f"{r}.engine.batchInvariant: vLLM's batch-invariant mode runs on GPUs only (on CPU "
-                                 f"its overrides are Triton kernels); use engine native on CPU")
+        engines.get(kinds[roles[0]]).check(self, roles)  # the roles that run workers run one engine
 
     def gpus_per_worker(self, name: str) -> int:
         """GPUs one worker of role `name` uses: tensor-parallel size times its data-parallel ranks."""

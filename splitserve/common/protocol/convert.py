@@ -5,6 +5,7 @@ A worker validates every field it receives here (`InvalidRequest` names the fiel
 
 from __future__ import annotations
 
+from splitserve.common.engines import DEFAULT_ENGINE, ENGINES
 from splitserve.common.protocol import PROTOCOL_VERSION
 from splitserve.common.protocol import splitserve_pb2 as pb
 from splitserve.common.sampling import Logprob, SamplingParams
@@ -159,7 +160,7 @@ def prefill_reply_from_pb(m: pb.PrefillResponse) -> PrefillReply:
 
 def health_from_pb(m: pb.HealthResponse) -> HealthReport:
     return HealthReport(m.live, m.ready, m.role, m.draining, m.model, m.protocol_version,
-                        m.engine if m.engine in ("native", "vllm") else "native",
+                        m.engine if m.engine in ENGINES else DEFAULT_ENGINE,
                         frozenset(c for c in m.capabilities if c in CAPABILITIES),
                         m.kv_connector[:32], {k[:256]: v[:32] for k, v in list(m.kv_transports.items())[:256]})
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from splitserve.common import engines
 from splitserve.common.config import ClusterResource, RoleSpec
 from splitserve.hosts.k8s.crd import NAME_MAX
 from splitserve.hosts.k8s.replicas import Unrealisable
@@ -33,7 +34,7 @@ def check(resource: ClusterResource) -> None:
     if redis.mode == "external" and not redis.url and redis.url_secret is None:
         raise Unrealisable("RedisURLMissing", "redis.mode is external but neither redis.url nor redis.urlSecret is set")
     tp = spec.model.tensor_parallel_size
-    if spec.mode == "disaggregated" and tp > 1 and spec.engine_of("decode") == "native":
+    if spec.mode == "disaggregated" and tp > 1 and not engines.get(spec.engine_of("decode")).shards_handover:
         raise Unrealisable("ShardedDisaggregationUnsupported",
                            f"model.tensorParallelSize {tp} needs mode: colocated (streaming KV between sharded prefill "
                            "and decode workers is not supported yet)")

@@ -20,8 +20,10 @@ from __future__ import annotations
 import copy
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
+from splitserve.common import engines
 from splitserve.common.config import ClusterResource, ClusterSpec, RoleSpec
 from splitserve.common.model_files import EMBEDDED
 from splitserve.hosts.common import redis_options, worker_argv
@@ -198,9 +200,10 @@ def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleS
                pod_labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
     """The pod template of one worker role (`role`: prefill, decode or both)."""
     k8s, images = resource.spec.kubernetes, resource.spec.images
-    vllm = resource.spec.engine_of(role) == "vllm"
+    kind = resource.spec.engine_of(role)
+    pod_server = engines.get(kind).resolve_pod_server()  # engine vllm: its server is a container of the pod
     volumes, mounts = _volumes(resource, cache=True)
-    if k8s.shm_size and not vllm:  # a vLLM pod's /dev/shm is its server's (`_vllm_server`)
+    if k8s.shm_size and pod_server is None:  # a vLLM pod's /dev/shm is its server's (`_vllm_server`)
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_IP", "status.podIP"),
@@ -223,18 +226,16 @@ def worker_pod(resource: ClusterResource, component: str, role: str, spec: RoleS
         "securityContext": _security_context(resource),
     }
     containers = [container]
-    if vllm:
+    init = _fetch_models(resource, mounts, resources)
+    if pod_server is not None:
         # The worker (still containers[0]: kubectl's default) attaches to the server; the role's resources,
         # GPUs included, are the server's.
-        container["command"] = [*worker_command(role), "--engine", "vllm",
-                                "--vllm-url", f"http://127.0.0.1:{resource.spec.vllm.port}"]
-        container["resources"] = copy.deepcopy(VLLM_SIDECAR_RESOURCES)
-        server, server_volumes = _vllm_server(resource, role, spec, resources)
-        containers.append(server)
-        volumes += server_volumes
-    init = _fetch_models(resource, mounts, resources)
-    if vllm and vllm_server.needs_connector_files(resource.spec, role):
-        init.append(_pool_connector(resource, resources))
+        server = pod_server(resource, role, spec, resources)
+        container["command"] = [*worker_command(role), "--engine", kind, *server.worker_args]
+        container["resources"] = server.worker_resources
+        containers.append(server.container)
+        volumes += server.volumes
+        init += server.init_containers
     pod: dict[str, Any] = {
         # SIGTERM starts the drain (the worker leaves the registry, finishes what is in flight, exits).
         "terminationGracePeriodSeconds": math.ceil(spec.drain_seconds) + names.DRAIN_MARGIN_SECONDS,
@@ -269,6 +270,28 @@ def _python_probe(script: str, period: int, failures: int) -> dict[str, Any]:
     by the kubelet to the pod's IP) cannot reach."""
     return {"exec": {"command": ["python3", "-c", script]}, "periodSeconds": period, "failureThreshold": failures,
             "timeoutSeconds": 5}
+
+
+@dataclass(frozen=True)
+class PodServer:
+    """An engine's server as a container of the worker's pod: what the worker's command line adds (after
+    `--engine`) to attach to it, the worker container's resources (the role's go to the server), and the server's
+    container, volumes and init containers."""
+
+    worker_args: list[str]
+    worker_resources: dict[str, Any]
+    container: dict[str, Any]
+    volumes: list[dict[str, Any]]
+    init_containers: list[dict[str, Any]]
+
+
+def vllm_pod_server(resource: ClusterResource, role: str, spec: RoleSpec, resources: dict[str, Any]) -> PodServer:
+    """Engine vllm's part of a worker pod (`splitserve.common.engines` names it): a stock vLLM server beside the
+    worker, and the init container that copies splitserve's connectors for it when it loads one."""
+    server, volumes = _vllm_server(resource, role, spec, resources)
+    init = [_pool_connector(resource, resources)] if vllm_server.needs_connector_files(resource.spec, role) else []
+    return PodServer(["--vllm-url", f"http://127.0.0.1:{resource.spec.vllm.port}"],
+                     copy.deepcopy(VLLM_SIDECAR_RESOURCES), server, volumes, init)
 
 
 def _vllm_server(resource: ClusterResource, role: str, spec: RoleSpec,

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from splitserve.common import engines
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import dump
 from splitserve.common.proc import dying_with_me, free_port, splitserve_command
@@ -77,7 +78,7 @@ class Launcher:
         spec.membership.decode = [f"{self.host}:{p}" for _, role, p, _ in planned if role != "prefill"]
         threads = max(1, (os.cpu_count() or 1) // len(planned))
         for name, role in (("prefill", spec.prefill), ("decode", spec.decode)):
-            if not role.engine.threads and spec.engine_of(name) == "native":  # vLLM binds its own threads
+            if not role.engine.threads and engines.get(spec.engine_of(name)).takes_threads:  # else its own
                 role.engine.threads = threads
         return planned
 
@@ -121,7 +122,7 @@ class Launcher:
 
     def _start_worker(self, name: str, role: str, port: int, mport: int) -> dict:
         argv = worker_argv(role, str(self.config_path), self.host, name, port=port, metrics_port=mport)
-        proc = self._spawn(name, argv, self._vllm_cpu_env(role))
+        proc = self._spawn(name, argv, self._engine_env(role))
         key = "prefill" if role == "prefill" else "decode"
         self._next_index[key] += 1
         self.pool_of[name] = key
@@ -129,20 +130,15 @@ class Launcher:
         self.components[key].append(info)
         return info
 
-    def _vllm_cpu_env(self, role: str) -> dict[str, str] | None:
-        """Engine vllm on CPU: each server's OpenMP threads on cores of its own (the slot after the workers started
-        so far, of as many as the plan has), unless VLLM_CPU_OMP_THREADS_BIND is set already."""
+    def _engine_env(self, role: str) -> dict[str, str] | None:
+        """What the role's engine needs in a worker's environment (engine vllm on CPU: its server's OpenMP threads
+        on cores of its own), for the slot after the workers started so far, of as many as the plan has."""
         spec = self.resource.spec
-        if spec.engine_of(role) != "vllm" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-            return None
-        from splitserve.vllm_engine.server import cpu_binding, is_cpu
-
-        if not is_cpu(spec):
+        process_env = engines.get(spec.engine_of(role)).resolve_process_env()
+        if process_env is None:
             return None
         slot, slots = sum(self._next_index.values()), len(spec.membership.prefill) + len(spec.membership.decode)
-        ranks = spec.model.tensor_parallel_size * spec.role(role).engine.data_parallel_size
-        binding = cpu_binding(slot, max(1, slots), ranks)  # a plan may start no worker (autoscaled from 0)
-        return {"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else None
+        return process_env(spec, role, slot, max(1, slots))  # a plan may start no worker (autoscaled from 0)
 
     def add_worker(self, pool: str) -> str:
         """Start one more worker of `pool` (prefill, or decode: colocated workers in colocated mode); its name."""

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 from ray import serve
 
+from splitserve.common import engines
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import dump, parse_resource
 from splitserve.common.proc import free_port, free_ports
@@ -213,8 +214,8 @@ class Worker:
         host = _node_host()
         port, metrics_port = free_ports(2, host)
         engine = spec.role(pool).engine
-        native_cpu = spec.engine_of(pool) == "native" and spec.model.device == "cpu"
-        if not engine.threads and native_cpu:  # as `splitserve up` does: the cores shared out (vLLM picks its own)
+        shared = engines.get(spec.engine_of(pool)).takes_threads and spec.model.device == "cpu"
+        if not engine.threads and shared:  # as `splitserve up` does: the cores shared out (else the engine's own)
             import ray
 
             assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
