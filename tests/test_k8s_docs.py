@@ -32,6 +32,7 @@ from splitserve.hosts.k8s.crd import cluster_crd, crd_yaml, role_crd
 from splitserve.hosts.k8s.reconcile import resource_of
 from splitserve.hosts.k8s.replicas import Observed, decide, spec_or_scale
 from splitserve.kv_transfer import metrics as kv_metrics
+from splitserve.vllm_engine.control import KV_TRANSPORT
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "kubernetes.md").read_text()
@@ -258,22 +259,24 @@ def test_console_examples_name_what_the_default_install_creates():
 
 
 def test_console_examples_name_the_gpu_examples_workers_their_log_lines_and_metrics():
-    """`kubectl logs deploy/NAME | grep TEXT`: NAME is a Deployment the operator creates for the GPU example and
-    TEXT starts a line the KV transfer logs; `port-forward deploy/NAME L:P` forwards to a port its pods listen on,
-    and `curl .../metrics | grep M` on that local port finds M among the metrics a worker exports."""
+    """`kubectl logs deploy/NAME -c C | grep TEXT`: NAME is a Deployment the operator creates for the GPU example,
+    C one of its pods' containers and TEXT starts a line the KV connector's control (engine vllm) or the native KV
+    transfer logs; `port-forward deploy/NAME L:P` forwards to a port its worker container listens on, and `curl
+    .../metrics | grep M` on that local port finds M among the metrics a worker exports."""
     cluster = yaml.safe_load((ROOT / "deploy/examples/gpu-llama-8b.yaml").read_text())
     deployments = {o["metadata"]["name"]: o for o in operator_objects(cluster) if o["kind"] == "Deployment"}
-    agent = (ROOT / "kv_transfer/agent.py").read_text()
-    assert kv_metrics.BYTES  # imported: the KV transfer metrics are registered, as in a worker
+    logged = (ROOT / "kv_transfer/agent.py").read_text() + (ROOT / "vllm_engine/control.py").read_text()
+    assert kv_metrics.BYTES and KV_TRANSPORT  # imported: the KV transfer metrics are registered, as in a worker
     exported = generate_latest().decode()
     forwarded: dict[int, str] = {}
     checked = 0
     for line in "\n".join(blocks("console")).splitlines():
-        if m := re.search(r"logs deploy/(\S+) \| grep '([^']+)'", line):
-            assert m.group(1) in deployments
-            assert re.search(r'log\.info\("' + re.escape(m.group(2)), agent), m.group(2)
+        if m := re.search(r"logs deploy/(\S+) -c (\S+) \| grep '([^']+)'", line):
+            assert m.group(2) in {c["name"] for c in deployments[m.group(1)]["spec"]["template"]["spec"]["containers"]}
+            assert re.search(r'log\.info\("' + re.escape(m.group(3)), logged), m.group(3)
         elif m := re.search(r"port-forward deploy/(\S+) (\d+):(\d+)", line):
-            [worker] = deployments[m.group(1)]["spec"]["template"]["spec"]["containers"]
+            [worker] = [c for c in deployments[m.group(1)]["spec"]["template"]["spec"]["containers"]
+                        if c["name"] == "worker"]
             assert int(m.group(3)) in {p["containerPort"] for p in worker["ports"]}
             forwarded[int(m.group(2))] = m.group(1)
         elif m := re.search(r"curl -s http://127\.0\.0\.1:(\d+)/metrics \| grep (\S+)", line):

@@ -62,6 +62,10 @@ class Spec(BaseModel):
                               use_attribute_docstrings=True, validate_assignment=True)
 
 
+# Marks a field whose default depends on the engine: its schemas carry no default, so a stored resource leaves
+# it unset and the engine's applies (the API server would otherwise fill in the native engine's).
+ENGINE_DEFAULT = "x-splitserve-engine-default"
+
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[float, Field(gt=0)]
 Count = Annotated[int, Field(ge=0)]
@@ -83,8 +87,9 @@ class ModelSpec(Spec):
     """Context length in tokens (default: the model's)."""
     load_format: Literal["auto", "dummy"] = "auto"
     """auto loads the checkpoint; dummy gives random weights of the model's shape (benchmarks)."""
-    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = 16
-    """Tokens per KV block (the unit of caching, hashing and transfer)."""
+    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(16, json_schema_extra={ENGINE_DEFAULT: True})
+    """Tokens per KV block (the unit of caching, hashing and transfer); unset: 16 with engine native, 32 with
+    engine vllm."""
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
     """GPUs sharing each layer, one process each."""
     expert_parallel: bool = False

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_camel
 
-from splitserve.common.config import ClusterResource, ClusterSpec
+from splitserve.common.config import ENGINE_DEFAULT, ClusterResource, ClusterSpec
 
 
 class ConfigError(ValueError):
@@ -125,7 +125,8 @@ def spec_field(dotted: str):
 
 # -- JSON Schema ------------------------------------------------------------------------------------------
 def json_schema(model: type[BaseModel] = ClusterResource) -> dict:
-    """The model's JSON Schema with every `$ref` inlined (CRDs and Helm reject references)."""
+    """The model's JSON Schema with every `$ref` inlined (CRDs and Helm reject references); a field whose default
+    is the engine's (`config.ENGINE_DEFAULT`) has none in it."""
     schema = model.model_json_schema(by_alias=True, mode="validation")
     defs = schema.pop("$defs", {})
 
@@ -135,6 +136,8 @@ def json_schema(model: type[BaseModel] = ClusterResource) -> dict:
                 target = copy.deepcopy(defs[node["$ref"].split("/")[-1]])
                 rest = {k: v for k, v in node.items() if k != "$ref"}
                 return inline({**target, **rest})
+            if node.get(ENGINE_DEFAULT):
+                node = {k: v for k, v in node.items() if k not in (ENGINE_DEFAULT, "default")}
             return {k: inline(v) for k, v in node.items()}
         if isinstance(node, list):
             return [inline(v) for v in node]
