@@ -1,0 +1,1 @@
+"""Helpers the tests share: servers, clusters, peers and models they start or build."""
