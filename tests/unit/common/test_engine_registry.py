@@ -14,7 +14,7 @@ from splitserve.common import engines
 from splitserve.common.config import ClusterResource, ClusterSpec, EngineSpec
 from splitserve.common.engines import ENGINES, EngineKind
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("splitserve", "engine", "router", "prefill_worker", "decode_worker", "kv_transfer", "vllm_engine",
             "autoscaler")
 REGISTRY = ROOT / "splitserve" / "common" / "engines.py"
