@@ -37,7 +37,8 @@ NEEDS = {
     "splitserve.engine.kernels.triton_norm_rope": "triton",
     "splitserve.engine.kernels.triton_paged_attention": "triton",
     "splitserve.hosts.ray.app": "ray",
-    "splitserve.vllm_engine.pool_connector": "vllm",
+    "splitserve.vllm_engine.in_vllm.layerwise_connector": "vllm",
+    "splitserve.vllm_engine.in_vllm.pool_connector": "vllm",
 }
 # What the slim gateway/operator image runs (the Dockerfile's gateway stage).
 GATEWAY_MODULES = ["splitserve.cli", "splitserve.router.app", "splitserve.router.gateway",
