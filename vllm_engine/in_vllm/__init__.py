@@ -20,6 +20,7 @@ packages, HTTP client and gRPC are not in a stock vLLM image; `connector_files` 
 
 import logging
 import os
+from typing import Any
 
 LOG_LEVEL_ENV = "SPLITSERVE_VLLM_LOG_LEVEL"
 
@@ -42,3 +43,13 @@ def setup_logging() -> None:
         import signal
 
         faulthandler.register(signal.SIGUSR2, all_threads=True)
+
+
+def resumed_req_ids(cached: Any) -> set[str]:
+    """Requests of a scheduler output's `scheduled_cached_reqs` resumed after a preemption (their new block ids
+    replace the old): vLLM 0.32 lists them in a set, earlier versions flag them per request."""
+    ids = getattr(cached, "resumed_req_ids", None)
+    if ids is not None:
+        return set(ids)
+    flags = getattr(cached, "resumed_from_preemption", None) or []
+    return {r for r, f in zip(cached.req_ids, flags, strict=False) if f}

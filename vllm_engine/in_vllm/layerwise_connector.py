@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from splitserve.vllm_engine.in_vllm import setup_logging
+from splitserve.vllm_engine.in_vllm import resumed_req_ids, setup_logging
 from splitserve.vllm_engine.in_vllm.control_link import ControlLink
 from splitserve.vllm_engine.in_vllm.layerwise_plan import LayerwisePlanner, LayerwiseStepPlan
 from splitserve.vllm_engine.in_vllm.layerwise_wire import LayerwiseSettings
@@ -97,7 +97,7 @@ class SplitserveLayerwiseConnector(KVConnectorBase_V1):
         new = [(r.req_id, r.num_computed_tokens, so.num_scheduled_tokens.get(r.req_id, 0), r.block_ids[0])
                for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
-        resumed = _resumed(cached)
+        resumed = resumed_req_ids(cached)
         rows = []
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
@@ -145,12 +145,3 @@ class SplitserveLayerwiseConnector(KVConnectorBase_V1):
         elif getattr(self, "link", None) is not None:
             self.link.close()
 
-
-def _resumed(cached: Any) -> set[str]:
-    """Requests resumed after a preemption (their new block ids replace the old): vLLM 0.32 lists them in a
-    set, earlier versions flag them per request."""
-    ids = getattr(cached, "resumed_req_ids", None)
-    if ids is not None:
-        return set(ids)
-    flags = getattr(cached, "resumed_from_preemption", None) or []
-    return {r for r, f in zip(cached.req_ids, flags, strict=False) if f}

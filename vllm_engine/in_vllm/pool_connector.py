@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from splitserve.common.redis_wire import ChecksumError, KVEventRecord, PoolNamespace, WireError
+from splitserve.vllm_engine.in_vllm import resumed_req_ids
 from splitserve.vllm_engine.in_vllm.layerwise_wire import PARAMS_KEY as LAYERWISE_PARAMS
 from splitserve.vllm_engine.in_vllm.pool_plan import (
     BlockLoad,
@@ -138,7 +139,7 @@ class SplitservePoolConnector(KVConnectorBase_V1):
         scheduled = [(r.req_id, r.num_computed_tokens, so.num_scheduled_tokens.get(r.req_id, 0), r.block_ids[0], True)
                      for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
-        resumed = _resumed(cached)
+        resumed = resumed_req_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             scheduled.append((req_id, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(req_id, 0),
@@ -318,12 +319,3 @@ class SplitservePoolConnector(KVConnectorBase_V1):
             self._queue.put(None)
             self._writer.join(timeout=5)
 
-
-def _resumed(cached: Any) -> set[str]:
-    """Requests resumed after a preemption (their new block ids replace the old): vLLM 0.32 lists them in a
-    set, earlier versions flag them per request."""
-    ids = getattr(cached, "resumed_req_ids", None)
-    if ids is not None:
-        return set(ids)
-    flags = getattr(cached, "resumed_from_preemption", None) or []
-    return {r for r, f in zip(cached.req_ids, flags, strict=False) if f}
