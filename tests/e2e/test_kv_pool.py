@@ -103,44 +103,71 @@ def wait_for_writes(up: Up, i: int, blocks: int) -> None:
         time.sleep(0.1)
 
 
-def test_a_second_worker_loads_the_shared_blocks_and_matches_computing(smollm2_dir):
+@pytest.fixture(scope="module")
+def pool():
+    """One pool cluster (with its bundled Redis) for the tests that write their own prompts' blocks and read them
+    back: each sends prompts of its own and counts from the metrics as it found them."""
+    up = pool_cluster()
+    yield up
+    assert up.stop() == 0
+
+
+def counts(up: Up, name: str, **labels) -> list[float]:
+    return [pool_metric(up, i, name, **labels) for i in (0, 1)]
+
+
+def computed_by(up: Up, prompt_tokens: list[float]) -> int:
+    """The worker (0 or 1) whose prompt-token counter rose since `prompt_tokens`: the one that took the request."""
+    now = counts(up, "splitserve_worker_prompt_tokens_total")
+    [i] = [i for i in (0, 1) if now[i] > prompt_tokens[i]]
+    return i
+
+
+def test_a_second_worker_loads_the_shared_blocks_and_matches_computing(smollm2_dir, pool):
     base = long_prompt(1)
     turn = base + long_prompt(2, 40)
     expected = make_engine(smollm2_dir).generate([turn], greedy(8, ignore_eos=True))[0]["text"]
-    up = pool_cluster()
-    try:
-        first = complete(up.url, base)  # decode-0 computes it and writes its 37 blocks
-        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        wait_for_writes(up, 0, 37)
-        second = complete(up.url, turn)  # decode-1: loads the 37 shared blocks, computes the other 48 tokens
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 592
-        assert pool_metric(up, 1, "splitserve_kv_pool_hit_tokens_total") == 592
-        assert pool_metric(up, 1, "splitserve_worker_prefix_hit_tokens_total") == 0  # none computed or cached
-        assert second["choices"][0]["text"] == expected
-    finally:
-        assert up.stop() == 0
+    up = pool
+    prompts = counts(up, "splitserve_worker_prompt_tokens_total")
+    written = counts(up, "splitserve_kv_pool_blocks_written_total")
+    first = complete(up.url, base)  # one worker computes it and writes its 37 blocks
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    w = computed_by(up, prompts)
+    wait_for_writes(up, w, written[w] + 37)
+    other = 1 - w  # round robin: the next request goes to the other worker
+    hits = counts(up, "splitserve_kv_pool_hit_tokens_total")
+    prefix = counts(up, "splitserve_worker_prefix_hit_tokens_total")
+    second = complete(up.url, turn)  # the other worker: loads the 37 shared blocks, computes the other 48 tokens
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 592
+    assert pool_metric(up, other, "splitserve_kv_pool_hit_tokens_total") - hits[other] == 592
+    # none computed or cached
+    assert pool_metric(up, other, "splitserve_worker_prefix_hit_tokens_total") - prefix[other] == 0
+    assert second["choices"][0]["text"] == expected
 
 
-def test_a_corrupted_block_is_recomputed_and_counted(smollm2_dir):
+def test_a_corrupted_block_is_recomputed_and_counted(smollm2_dir, pool):
     prompt = long_prompt(3)
     expected = make_engine(smollm2_dir).generate([prompt], greedy(8, ignore_eos=True))[0]["text"]
-    up = pool_cluster()
-    try:
-        complete(up.url, prompt)
-        wait_for_writes(up, 0, 37)
-        import redis
+    up = pool
+    prompts = counts(up, "splitserve_worker_prompt_tokens_total")
+    written = counts(up, "splitserve_kv_pool_blocks_written_total")
+    complete(up.url, prompt)
+    w = computed_by(up, prompts)
+    wait_for_writes(up, w, written[w] + 37)
+    import redis
 
-        r = redis.Redis.from_url(up.components["redis"]["url"])
-        keys = sorted(k for k in r.keys("ss:pool:*"))
-        hashes = hash_token_blocks(prompt, 16, "smollm2")
-        victim = next(k for k in keys if k.decode().endswith(f"{hashes[10]:016x}"))
-        r.setrange(victim, 200, b"\x00\x01\x02\x03")  # bytes flipped in Redis
-        out = complete(up.url, prompt)  # decode-1: loads blocks 0-9, block 10 fails its checksum
-        assert pool_metric(up, 1, "splitserve_kv_pool_errors_total", reason="checksum") == 1
-        assert pool_metric(up, 1, "splitserve_kv_pool_hit_tokens_total") == 160
-        assert out["choices"][0]["text"] == expected
-    finally:
-        assert up.stop() == 0
+    r = redis.Redis.from_url(up.components["redis"]["url"])
+    keys = sorted(k for k in r.keys("ss:pool:*"))
+    hashes = hash_token_blocks(prompt, 16, "smollm2")
+    victim = next(k for k in keys if k.decode().endswith(f"{hashes[10]:016x}"))
+    r.setrange(victim, 200, b"\x00\x01\x02\x03")  # bytes flipped in Redis
+    other = 1 - w
+    errors = counts(up, "splitserve_kv_pool_errors_total", reason="checksum")
+    hits = counts(up, "splitserve_kv_pool_hit_tokens_total")
+    out = complete(up.url, prompt)  # the other worker: loads blocks 0-9, block 10 fails its checksum
+    assert pool_metric(up, other, "splitserve_kv_pool_errors_total", reason="checksum") - errors[other] == 1
+    assert pool_metric(up, other, "splitserve_kv_pool_hit_tokens_total") - hits[other] == 160
+    assert out["choices"][0]["text"] == expected
 
 
 def test_redis_killed_mid_run_every_request_succeeds():
