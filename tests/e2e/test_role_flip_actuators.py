@@ -250,7 +250,8 @@ async def test_the_operator_flips_a_pod_and_sizes_each_deployment_for_the_pods_i
 # -- Ray Serve --------------------------------------------------------------------------------------------------
 def test_ray_s_policy_flips_a_replica_and_sizes_each_deployment_for_the_replicas_it_holds(redis):
     pytest.importorskip("ray.serve")
-    from e2e.test_ray_app import LOCAL, contexts
+    from unit.hosts.test_ray_app import LOCAL, contexts
+
     from splitserve.common.config_file import load
     from splitserve.hosts.ray.policy import LawPolicy, policy_config
 
