@@ -32,13 +32,10 @@ def _chat(up: Up, seed: int) -> str:
     return out["choices"][0]["message"]["content"]
 
 
-def test_the_same_seed_gives_the_same_text_colocated_and_disaggregated():
-    up = Up("--mode", "colocated", "--decode", "1")
-    try:
-        colocated = {seed: _chat(up, seed) for seed in (7, 8)}
-        assert _chat(up, 7) == colocated[7]  # again, its prompt cached this time
-    finally:
-        assert up.stop() == 0
+def test_the_same_seed_gives_the_same_text_colocated_and_disaggregated(colocated_one):
+    up = colocated_one
+    colocated = {seed: _chat(up, seed) for seed in (7, 8)}
+    assert _chat(up, 7) == colocated[7]  # again, its prompt cached this time
     up = Up("--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--disagg-threshold", "32")
     try:
         disaggregated = {seed: _chat(up, seed) for seed in (7, 8)}
