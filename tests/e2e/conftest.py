@@ -6,10 +6,11 @@ import pytest
 from support.serving import Up
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def colocated_one():
-    """`splitserve up --mode colocated --decode 1`: a gateway and one colocated SmolLM2 worker, started once per
-    run for the tests, in any module, that only send it requests and read the answers and /proc."""
+    """`splitserve up --mode colocated --decode 1`: a gateway and one colocated SmolLM2 worker, started once for
+    the e2e tests, in any module, that only send it requests and read the answers and /proc (stopped when the
+    last e2e module is done)."""
     up = Up("--mode", "colocated", "--decode", "1")
     yield up
     assert up.stop() == 0

@@ -29,8 +29,8 @@ from unit.hosts.test_operator_kmock import (
     live,
     serve_cluster_api,
 )
+from unit.router.test_role_flip import MODEL, FlipHandler, serving
 
-from e2e.test_role_flip import MODEL, FlipHandler, serving
 from splitserve.autoscaler.flips import RoleFlip
 from splitserve.autoscaler.law import RoleDecision, ScalingDecision
 from splitserve.autoscaler.law_state import ControllerState

@@ -45,7 +45,7 @@ def disagg():
 
 @pytest.fixture(scope="module")
 def colocated(colocated_one):
-    return colocated_one  # the run's colocated cluster (tests/e2e/conftest.py): this module only reads from it
+    return colocated_one  # the e2e tests' colocated cluster (tests/e2e/conftest.py): this module only reads from it
 
 
 def client(up: Up) -> openai.OpenAI:

@@ -119,7 +119,7 @@ def test_overload_with_a_cpu_hog_no_503_no_flaps_no_leaks(tmp_path):
 
 
 def test_a_huge_request_never_stalls_health(colocated_one):
-    up = colocated_one  # the run's colocated cluster (tests/e2e/conftest.py): what it is sent is refused
+    up = colocated_one  # the e2e tests' colocated cluster (tests/e2e/conftest.py): what it is sent is refused
     latencies: list[float] = []
     stop = threading.Event()
 
