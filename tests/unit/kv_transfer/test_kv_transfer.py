@@ -24,31 +24,7 @@ from splitserve.kv_transfer import (
     make_agent,
 )
 
-BACKENDS = ["tcp", "nixl"]
 SEED = 1234
-
-
-def _nixl_available() -> bool:
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    if request.param == "nixl" and not _nixl_available():
-        pytest.fail("NIXL is not installed: `make test` installs it (nixl + nixl-cu13 wheels)")
-    return request.param
-
-
-@pytest.fixture
-def receiver(backend):
-    agent = make_agent(backend, KVLayout(make_kv(0, fill=False)))
-    assert agent.backend.name == backend
-    yield agent
-    agent.close()
 
 
 EXPECTED = make_kv(SEED)
