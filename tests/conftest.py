@@ -11,6 +11,10 @@ from support.models import make_random_model
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads that wait sleep instead of spinning (set before torch loads; the clusters the tests start
+# inherit it): on a shared 2-core box a spinning thread takes the core its partner needs, and a step takes
+# several times as long. Only the waiting changes, not the arithmetic.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
