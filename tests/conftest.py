@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 weights and small random-weight models saved by Hugging Face."""
+"""Shared fixtures: the real SmolLM2 weights, small random-weight models saved by Hugging Face, and a KV transfer
+agent receiving for each backend (TCP and NIXL)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from support.models import make_random_model
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads that wait sleep instead of spinning (set before torch loads; the clusters the tests start
+# inherit it): on a shared 2-core box a spinning thread takes the core its partner needs, and a step takes
+# several times as long. Only the waiting changes, not the arithmetic.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +28,32 @@ def smollm2_dir() -> Path:
 def random_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {k: make_random_model(k, root / k) for k in ("qwen3", "qwen3_moe", "mixtral", "llama3", "qwen2")}
+
+
+def _nixl_available() -> bool:
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(params=["tcp", "nixl"])
+def backend(request):
+    """A KV transfer backend's name; NIXL missing fails the test (`make test` installs it)."""
+    if request.param == "nixl" and not _nixl_available():
+        pytest.fail("NIXL is not installed: `make test` installs it (nixl + nixl-cu13 wheels)")
+    return request.param
+
+
+@pytest.fixture
+def receiver(backend):
+    """A transfer agent of `backend` in this process, over an empty KV cache of tests/support/kv_peer.py's shape."""
+    from support.kv_peer import make_kv
+
+    from splitserve.kv_transfer import KVLayout, make_agent
+
+    agent = make_agent(backend, KVLayout(make_kv(0, fill=False)))
+    assert agent.backend.name == backend
+    yield agent
+    agent.close()

@@ -13,7 +13,7 @@ import importlib.util
 import shutil
 from pathlib import Path
 
-# splitserve's modules the connectors import (tests/e2e/test_vllm_pool_plan.py imports them from a copy alone)
+# splitserve's modules the connectors import (tests/e2e/test_vllm_pool_plan_cli.py imports them from a copy alone)
 _IN_VLLM = ("pool_plan", "pool_connector", "layerwise_wire", "control_link", "layerwise_plan", "layerwise_peers",
             "layerwise_mover", "layerwise_connector", "ucx_transport")
 CONNECTOR_MODULES = ("splitserve", "splitserve.common", "splitserve.common.hashing", "splitserve.common.redis_wire",

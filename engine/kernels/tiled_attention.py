@@ -8,7 +8,7 @@ fixed inner size (head_dim for the scores, `tile` for the values), a max and a s
 are then merged left to right, one after another. A tile a row cannot see (past its position, or past a shorter
 sequence in a decode batch) contributes exact zeros, so how many tiles the batch needed does not matter. What is
 left to the math library: a matmul must compute each row the same whatever the number of rows (2 or more: one
-row goes down a different path, so a lone row is computed twice over); tests/e2e/test_batch_invariance.py checks it.
+row goes down a different path, so a lone row is computed twice over); tests/unit/engine/test_batch_invariance.py checks it.
 """
 
 from __future__ import annotations

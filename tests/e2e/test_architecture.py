@@ -14,7 +14,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support.serving import Up
 
 pytestmark = pytest.mark.slow
 
@@ -91,19 +90,16 @@ def test_importing_the_gateway_app_loads_no_torch():
     assert res.stdout.split() == ["False", "False"], res.stderr
 
 
-def test_a_serving_gateway_process_never_maps_torch():
+def test_a_serving_gateway_process_never_maps_torch(colocated_one):
     """A real gateway in front of a real colocated worker answers requests; its process never loaded torch's
     native library (read from /proc/<pid>/maps), while the worker's did."""
-    up = Up("--mode", "colocated", "--decode", "1")
-    try:
-        body = b'{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}'
-        req = urllib.request.Request(up.url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            assert r.status == 200
-        gateway = Path(f"/proc/{up.components['router_pid']}/maps").read_text()
-        worker = Path(f"/proc/{up.components['decode'][0]['pid']}/maps").read_text()
-        assert "libtorch" in worker
-        assert "libtorch" not in gateway and "torch/lib" not in gateway
-    finally:
-        assert up.stop() == 0
+    up = colocated_one
+    body = b'{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}'
+    req = urllib.request.Request(up.url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+    gateway = Path(f"/proc/{up.components['router_pid']}/maps").read_text()
+    worker = Path(f"/proc/{up.components['decode'][0]['pid']}/maps").read_text()
+    assert "libtorch" in worker
+    assert "libtorch" not in gateway and "torch/lib" not in gateway

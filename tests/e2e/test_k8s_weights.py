@@ -16,9 +16,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from support.pss import pod_templates, violations
+from unit.splitserve.test_k8s_cli import render
 
 from e2e.test_dockerfile import _closure, _name
-from e2e.test_k8s_cli import render
 from splitserve.common.config import ImagesSpec
 from splitserve.hosts.k8s import names
 

@@ -103,31 +103,58 @@ def wait_for_writes(up: Up, i: int, blocks: int) -> None:
         time.sleep(0.1)
 
 
-def test_a_second_worker_loads_the_shared_blocks_and_matches_computing(smollm2_dir):
-    base = long_prompt(1)
-    turn = base + long_prompt(2, 40)
-    expected = make_engine(smollm2_dir).generate([turn], greedy(8, ignore_eos=True))[0]["text"]
-    up = pool_cluster()
-    try:
-        first = complete(up.url, base)  # decode-0 computes it and writes its 37 blocks
-        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        wait_for_writes(up, 0, 37)
-        second = complete(up.url, turn)  # decode-1: loads the 37 shared blocks, computes the other 48 tokens
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 592
-        assert pool_metric(up, 1, "splitserve_kv_pool_hit_tokens_total") == 592
-        assert pool_metric(up, 1, "splitserve_worker_prefix_hit_tokens_total") == 0  # none computed or cached
-        assert second["choices"][0]["text"] == expected
-    finally:
+def counts(up: Up, name: str, **labels) -> list[float]:
+    return [pool_metric(up, i, name, **labels) for i in (0, 1)]
+
+
+def computed_by(up: Up, prompt_tokens: list[float]) -> int:
+    """The worker (0 or 1) whose prompt-token counter rose since `prompt_tokens`: the one that took the request."""
+    now = counts(up, "splitserve_worker_prompt_tokens_total")
+    [i] = [i for i in (0, 1) if now[i] > prompt_tokens[i]]
+    return i
+
+
+class TestSharedPool:
+    """Loads from the pool and a corrupted block, on one pool cluster (torn down after these two)."""
+
+    @pytest.fixture(scope="class")
+    def pool(self):
+        """One pool cluster (with its bundled Redis) for tests that write their own prompts' blocks and read
+        them back: each sends prompts of its own and counts from the metrics as it found them."""
+        up = pool_cluster()
+        yield up
         assert up.stop() == 0
 
+    def test_a_second_worker_loads_the_shared_blocks_and_matches_computing(self, smollm2_dir, pool):
+        base = long_prompt(1)
+        turn = base + long_prompt(2, 40)
+        expected = make_engine(smollm2_dir).generate([turn], greedy(8, ignore_eos=True))[0]["text"]
+        up = pool
+        prompts = counts(up, "splitserve_worker_prompt_tokens_total")
+        written = counts(up, "splitserve_kv_pool_blocks_written_total")
+        first = complete(up.url, base)  # one worker computes it and writes its 37 blocks
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        w = computed_by(up, prompts)
+        wait_for_writes(up, w, written[w] + 37)
+        other = 1 - w  # round robin: the next request goes to the other worker
+        hits = counts(up, "splitserve_kv_pool_hit_tokens_total")
+        prefix = counts(up, "splitserve_worker_prefix_hit_tokens_total")
+        second = complete(up.url, turn)  # the other worker: loads the 37 shared blocks, computes the other 48
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 592
+        assert pool_metric(up, other, "splitserve_kv_pool_hit_tokens_total") - hits[other] == 592
+        # none computed or cached
+        assert pool_metric(up, other, "splitserve_worker_prefix_hit_tokens_total") - prefix[other] == 0
+        assert second["choices"][0]["text"] == expected
 
-def test_a_corrupted_block_is_recomputed_and_counted(smollm2_dir):
-    prompt = long_prompt(3)
-    expected = make_engine(smollm2_dir).generate([prompt], greedy(8, ignore_eos=True))[0]["text"]
-    up = pool_cluster()
-    try:
+    def test_a_corrupted_block_is_recomputed_and_counted(self, smollm2_dir, pool):
+        prompt = long_prompt(3)
+        expected = make_engine(smollm2_dir).generate([prompt], greedy(8, ignore_eos=True))[0]["text"]
+        up = pool
+        prompts = counts(up, "splitserve_worker_prompt_tokens_total")
+        written = counts(up, "splitserve_kv_pool_blocks_written_total")
         complete(up.url, prompt)
-        wait_for_writes(up, 0, 37)
+        w = computed_by(up, prompts)
+        wait_for_writes(up, w, written[w] + 37)
         import redis
 
         r = redis.Redis.from_url(up.components["redis"]["url"])
@@ -135,45 +162,52 @@ def test_a_corrupted_block_is_recomputed_and_counted(smollm2_dir):
         hashes = hash_token_blocks(prompt, 16, "smollm2")
         victim = next(k for k in keys if k.decode().endswith(f"{hashes[10]:016x}"))
         r.setrange(victim, 200, b"\x00\x01\x02\x03")  # bytes flipped in Redis
-        out = complete(up.url, prompt)  # decode-1: loads blocks 0-9, block 10 fails its checksum
-        assert pool_metric(up, 1, "splitserve_kv_pool_errors_total", reason="checksum") == 1
-        assert pool_metric(up, 1, "splitserve_kv_pool_hit_tokens_total") == 160
+        other = 1 - w
+        errors = counts(up, "splitserve_kv_pool_errors_total", reason="checksum")
+        hits = counts(up, "splitserve_kv_pool_hit_tokens_total")
+        out = complete(up.url, prompt)  # the other worker: loads blocks 0-9, block 10 fails its checksum
+        assert pool_metric(up, other, "splitserve_kv_pool_errors_total", reason="checksum") - errors[other] == 1
+        assert pool_metric(up, other, "splitserve_kv_pool_hit_tokens_total") - hits[other] == 160
         assert out["choices"][0]["text"] == expected
-    finally:
-        assert up.stop() == 0
 
 
-def test_redis_killed_mid_run_every_request_succeeds():
-    redis = RedisServer()
-    up = pool_cluster("--redis-url", redis.url)
-    try:
-        complete(up.url, long_prompt(4))
-        redis.stop()
-        for i in range(4):
-            complete(up.url, long_prompt(4 if i % 2 else 5))
-        assert sum(pool_metric(up, i, "splitserve_kv_pool_hit_tokens_total") for i in (0, 1)) == 0
-    finally:
+class TestSmallRedis:
+    """Eviction, then the Redis killed, on one pool cluster over a small redis-server (torn down after
+    these two)."""
+
+    @pytest.fixture(scope="class")
+    def small_redis(self):
+        """A pool cluster over a redis-server of its own, far smaller than the working set (40 MB): the
+        eviction test fills it, then the next test kills it."""
+        redis = RedisServer(extra=("--maxmemory", "40mb", "--maxmemory-policy", "volatile-lru"))
+        up = pool_cluster("--redis-url", redis.url)
+        yield redis, up
         up.stop()
         redis.close()
 
-
-def test_eviction_under_maxmemory_degrades_gracefully():
-    """A pool far smaller than the working set: Redis evicts blocks LRU, loads of evicted blocks are misses,
-    recent prompts still hit, and no request fails."""
-    redis = RedisServer(extra=("--maxmemory", "40mb", "--maxmemory-policy", "volatile-lru"))
-    up = pool_cluster("--redis-url", redis.url)
-    try:
+    def test_eviction_under_maxmemory_degrades_gracefully(self, small_redis):
+        """A pool far smaller than the working set: Redis evicts blocks LRU, loads of evicted blocks are misses,
+        recent prompts still hit, and no request fails."""
+        redis, up = small_redis
+        hits = sum(counts(up, "splitserve_kv_pool_hit_tokens_total"))
+        written = sum(counts(up, "splitserve_kv_pool_blocks_written_total"))
         for seed in range(10, 13):  # three 37-block prompts: ~80 MB of blocks into 40 MB
             complete(up.url, long_prompt(seed))
         assert int(redis.cli("info", "stats").split("evicted_keys:")[1].split()[0]) > 0
         for seed in (12, 10):  # the newest prompt can hit; the oldest was evicted
             complete(up.url, long_prompt(seed))
-        hits = sum(pool_metric(up, i, "splitserve_kv_pool_hit_tokens_total") for i in (0, 1))
-        written = sum(pool_metric(up, i, "splitserve_kv_pool_blocks_written_total") for i in (0, 1))
-        assert hits > 0 and written >= 3 * 30
-    finally:
-        up.stop()
-        redis.close()
+        assert sum(counts(up, "splitserve_kv_pool_hit_tokens_total")) - hits > 0
+        assert sum(counts(up, "splitserve_kv_pool_blocks_written_total")) - written >= 3 * 30
+
+    def test_redis_killed_mid_run_every_request_succeeds(self, small_redis):
+        """Runs after the eviction test on the same cluster (it kills the Redis)."""
+        redis, up = small_redis
+        hits = sum(counts(up, "splitserve_kv_pool_hit_tokens_total"))
+        complete(up.url, long_prompt(4))
+        redis.stop()
+        for i in range(4):
+            complete(up.url, long_prompt(4 if i % 2 else 5))
+        assert sum(counts(up, "splitserve_kv_pool_hit_tokens_total")) - hits == 0
 
 
 def test_the_same_load_works_against_a_redis_cluster(smollm2_dir):

@@ -205,12 +205,43 @@ def test_a_killed_worker_leaves_and_its_restart_carries_no_stale_entries(tmp_pat
         up.stop()
 
 
-def test_redis_killed_under_load_and_restarted(tmp_path):
-    """Four clients send requests without pause while Redis is SIGKILLed and later restarted empty on the same
-    port: not one request fails (load-only routing meanwhile), and the index rebuilds from the workers."""
-    redis = RedisServer()
-    up = Up("--mode", "colocated", "--decode", "2", "--routing", "kv_aware", "--redis-url", redis.url)
-    try:
+class TestOwnRedis:
+    """Bad records written into a Redis of the tests' own, then that Redis killed under load: one cluster, torn
+    down after these two."""
+
+    @pytest.fixture(scope="class")
+    def own_redis(self):
+        """Two colocated workers, kv_aware routing, over a redis-server of the test's own: bad records are written
+        into it, then the last test kills it and starts it again."""
+        redis = RedisServer()
+        up = Up("--mode", "colocated", "--decode", "2", "--routing", "kv_aware", "--redis-url", redis.url)
+        yield redis, up
+        up.stop()
+        redis.close()
+
+    def test_bad_records_in_redis_are_rejected_and_counted(self, own_redis):
+        redis, up = own_redis
+        tag = "{ss:smollm2}"
+        redis.cli("xadd", f"ss:v1:{tag}:kv-events", "*", "v", "1", "w", "evil", "k", "stored")
+        redis.cli("xadd", f"ss:v1:{tag}:kv-events", "*", "v", "9", "w", "x", "i", "y", "k", "stored", "t", "gpu",
+                  "p", "12345678", "h", "123")
+        redis.cli("set", f"ss:v1:{tag}:worker:ghost", "{not json", "px", "60000")
+        redis.cli("zadd", f"ss:v1:{tag}:workers", "99999999999999", "ghost")
+        redis.cli("set", f"ss:v1:{tag}:worker:intruder", '{"v": 1, "name": "intruder", "instance_id": "x", '
+                  '"role": "decode", "model": "m", "endpoint": "http://evil.example/", "metrics_url": "", '
+                  '"block_size": 16, "kv_capacity_blocks": 1}', "px", "60000")
+        redis.cli("zadd", f"ss:v1:{tag}:workers", "99999999999999", "intruder")
+        wait_until(lambda: metric_sum(gateway_metrics(up.url), "splitserve_router_index_events_total",
+                                      outcome="rejected") >= 2, what="bad events to be counted")
+        wait_until(lambda: metric_sum(gateway_metrics(up.url), "splitserve_registry_entries_rejected_total") >= 2,
+                   what="bad registry entries to be counted")
+        assert {w["name"] for w in health(up.url)["workers"]} == {"decode-0", "decode-1"}  # the cluster's own only
+        assert complete(up.url, prompt(1)).status_code == 200
+
+    def test_redis_killed_under_load_and_restarted(self, own_redis):
+        """Four clients send requests without pause while Redis is SIGKILLed and later restarted empty on the same
+        port: not one request fails (load-only routing meanwhile), and the index rebuilds from the workers."""
+        redis, up = own_redis  # after the bad records' test: this one kills the Redis
         url = up.url
         for i in range(3):
             assert complete(url, prompt(i)).status_code == 200
@@ -250,34 +281,6 @@ def test_redis_killed_under_load_and_restarted(tmp_path):
         # the gauge is read once it has settled
         wait_until(lambda: metric_sum(gateway_metrics(url), "splitserve_router_degraded") == 0, timeout=30,
                    what="the gateway to leave degraded mode")
-    finally:
-        up.stop()
-        redis.close()
-
-
-def test_bad_records_in_redis_are_rejected_and_counted():
-    redis = RedisServer()
-    up = Up("--mode", "colocated", "--decode", "1", "--routing", "kv_aware", "--redis-url", redis.url)
-    try:
-        tag = "{ss:smollm2}"
-        redis.cli("xadd", f"ss:v1:{tag}:kv-events", "*", "v", "1", "w", "evil", "k", "stored")
-        redis.cli("xadd", f"ss:v1:{tag}:kv-events", "*", "v", "9", "w", "x", "i", "y", "k", "stored", "t", "gpu",
-                  "p", "12345678", "h", "123")
-        redis.cli("set", f"ss:v1:{tag}:worker:ghost", "{not json", "px", "60000")
-        redis.cli("zadd", f"ss:v1:{tag}:workers", "99999999999999", "ghost")
-        redis.cli("set", f"ss:v1:{tag}:worker:intruder", '{"v": 1, "name": "intruder", "instance_id": "x", '
-                  '"role": "decode", "model": "m", "endpoint": "http://evil.example/", "metrics_url": "", '
-                  '"block_size": 16, "kv_capacity_blocks": 1}', "px", "60000")
-        redis.cli("zadd", f"ss:v1:{tag}:workers", "99999999999999", "intruder")
-        wait_until(lambda: metric_sum(gateway_metrics(up.url), "splitserve_router_index_events_total",
-                                      outcome="rejected") >= 2, what="bad events to be counted")
-        wait_until(lambda: metric_sum(gateway_metrics(up.url), "splitserve_registry_entries_rejected_total") >= 2,
-                   what="bad registry entries to be counted")
-        assert {w["name"] for w in health(up.url)["workers"]} == {"decode-0"}
-        assert complete(up.url, prompt(1)).status_code == 200
-    finally:
-        up.stop()
-        redis.close()
 
 
 def test_a_session_sticks_for_20_turns(replicas):

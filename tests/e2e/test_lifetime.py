@@ -19,7 +19,8 @@ import pytest
 
 from splitserve.common.proc import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")]
 BIN = Path(sys.executable).parent / "splitserve"
 
 
@@ -50,7 +51,10 @@ def test_a_child_started_from_a_threaded_parent_dies_with_it_on_sigkill():
     """)], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
-        time.sleep(0.5)  # the shim has exec'd sleep
+        deadline = time.monotonic() + 30
+        while alive(child) and not Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep"):
+            assert time.monotonic() < deadline, "the shim never exec'd sleep"
+            time.sleep(0.02)
         assert alive(child) and Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep")
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)

@@ -14,7 +14,8 @@ import httpx
 import pytest
 from support.serving import Up, metric_sum, scrape
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net")]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads /proc/net")]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def test_a_client_that_left_is_counted_499_not_200(cluster):
                    timeout=httpx.Timeout(120, read=1.0))
     deadline = time.monotonic() + 240
     while gateway_requests(cluster, "499") - before_499 < 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert gateway_requests(cluster, "499") - before_499 == 2
     assert gateway_requests(cluster, "200") == before_200
     # and a request that ends normally is still a 200

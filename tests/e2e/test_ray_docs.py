@@ -1,7 +1,7 @@
 """Every example in docs/ray.md, checked with what runs here: `pip install -e` names the extra pyproject declares
 (and `make test` installs), `splitserve serve-ray --print-config` runs and its output passes Ray's schema,
 `serve deploy` is Ray's own command taking that file, `kubectl apply` names the RayService example
-(tests/e2e/test_ray_app.py checks its serveConfigV2), `docker build` builds a Dockerfile stage under the image that
+(tests/unit/hosts/test_ray_app.py checks its serveConfigV2), `docker build` builds a Dockerfile stage under the image that
 example runs (and `docker buildx build` on the platforms the release workflow builds it for), and the `serve-ray`
 run itself is the end-to-end test's (tests/e2e/test_ray_serve_e2e.py runs the same command line, with test-only flags
 added)."""

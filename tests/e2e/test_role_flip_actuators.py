@@ -29,8 +29,8 @@ from unit.hosts.test_operator_kmock import (
     live,
     serve_cluster_api,
 )
+from unit.router.test_role_flip import MODEL, FlipHandler, serving
 
-from e2e.test_role_flip import MODEL, FlipHandler, serving
 from splitserve.autoscaler.flips import RoleFlip
 from splitserve.autoscaler.law import RoleDecision, ScalingDecision
 from splitserve.autoscaler.law_state import ControllerState
@@ -250,7 +250,8 @@ async def test_the_operator_flips_a_pod_and_sizes_each_deployment_for_the_pods_i
 # -- Ray Serve --------------------------------------------------------------------------------------------------
 def test_ray_s_policy_flips_a_replica_and_sizes_each_deployment_for_the_replicas_it_holds(redis):
     pytest.importorskip("ray.serve")
-    from e2e.test_ray_app import LOCAL, contexts
+    from unit.hosts.test_ray_app import LOCAL, contexts
+
     from splitserve.common.config_file import load
     from splitserve.hosts.ray.policy import LawPolicy, policy_config
 

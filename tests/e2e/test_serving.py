@@ -44,10 +44,8 @@ def disagg():
 
 
 @pytest.fixture(scope="module")
-def colocated():
-    up = Up("--mode", "colocated", "--decode", "1")
-    yield up
-    assert up.stop() == 0
+def colocated(colocated_one):
+    return colocated_one  # the e2e tests' colocated cluster (tests/e2e/conftest.py): this module only reads from it
 
 
 def client(up: Up) -> openai.OpenAI:

@@ -80,22 +80,6 @@ def no_errors_logged(up: Up) -> None:
     assert "Traceback" not in text and "never retrieved" not in text, text[-3000:]
 
 
-def test_an_idle_cluster_uses_under_3_percent_of_a_core_per_process():
-    """NIXL is used when installed (the default transport picks it), TCP otherwise."""
-    up = Up()
-    try:
-        time.sleep(3)  # let start-up work settle
-        procs = pids(up)
-        before = {name: cpu_seconds(pid) for name, pid in procs.items()}
-        t0 = time.monotonic()
-        time.sleep(20)
-        elapsed = time.monotonic() - t0
-        usage = {name: (cpu_seconds(pid) - before[name]) / elapsed for name, pid in procs.items()}
-        assert all(u < 0.03 for u in usage.values()), usage
-    finally:
-        assert up.stop() == 0
-
-
 def test_overload_with_a_cpu_hog_no_503_no_flaps_no_leaks(tmp_path):
     # 6 in flight + 6 queued: the other 36 of the 48 must be refused with 429 at once (admission), not 503
     path = cluster_file(tmp_path, **{"router.maxInflight": 6, "router.maxQueue": 6})
@@ -134,41 +118,38 @@ def test_overload_with_a_cpu_hog_no_503_no_flaps_no_leaks(tmp_path):
         assert up.stop() == 0
 
 
-def test_a_huge_request_never_stalls_health():
-    up = Up("--mode", "colocated", "--decode", "1")
+def test_a_huge_request_never_stalls_health(colocated_one):
+    up = colocated_one  # the e2e tests' colocated cluster (tests/e2e/conftest.py): what it is sent is refused
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(timeout=10) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                assert c.get(up.url + "/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.02)
+
+    t = threading.Thread(target=probe)
+    t.start()
     try:
-        latencies: list[float] = []
-        stop = threading.Event()
-
-        def probe() -> None:
-            with httpx.Client(timeout=10) as c:
-                while not stop.is_set():
-                    t0 = time.monotonic()
-                    assert c.get(up.url + "/health").status_code == 200
-                    latencies.append(time.monotonic() - t0)
-                    time.sleep(0.02)
-
-        t = threading.Thread(target=probe)
-        t.start()
-        try:
-            time.sleep(0.5)
-            huge = "word " * ((11 << 20) // 5)  # ~11 MB of prompt text: within the body limit
-            r = httpx.post(up.url + "/v1/completions", json={"model": "smollm2", "prompt": huge, "max_tokens": 1},
-                           timeout=60)
-            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-            over = b'{"model": "smollm2", "prompt": "' + b"x" * (17 << 20) + b'"}'
-            r = httpx.post(up.url + "/v1/completions", content=over, headers={"Content-Type": "application/json"},
-                           timeout=60)
-            assert r.status_code == 413
-            time.sleep(0.3)
-        finally:
-            stop.set()
-            t.join()
-        # parsing or tokenizing 11 MB on the event loop would stall /health for seconds; 0.3 s leaves room for a
-        # busy machine's scheduling hiccups
-        assert len(latencies) > 10 and max(latencies) < 0.3, sorted(latencies)[-5:]
+        time.sleep(0.5)
+        huge = "word " * ((11 << 20) // 5)  # ~11 MB of prompt text: within the body limit
+        r = httpx.post(up.url + "/v1/completions", json={"model": "smollm2", "prompt": huge, "max_tokens": 1},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        over = b'{"model": "smollm2", "prompt": "' + b"x" * (17 << 20) + b'"}'
+        r = httpx.post(up.url + "/v1/completions", content=over, headers={"Content-Type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 413
+        time.sleep(0.3)
     finally:
-        assert up.stop() == 0
+        stop.set()
+        t.join()
+    # parsing or tokenizing 11 MB on the event loop would stall /health for seconds; 0.3 s leaves room for a
+    # busy machine's scheduling hiccups
+    assert len(latencies) > 10 and max(latencies) < 0.3, sorted(latencies)[-5:]
 
 
 def test_sigterm_stops_everything_even_a_child_that_ignores_it(tmp_path):
@@ -242,6 +223,20 @@ def cluster():
     up = Up("--disagg-threshold", "512")
     yield up
     assert up.stop() == 0
+
+
+def test_an_idle_cluster_uses_under_3_percent_of_a_core_per_process(cluster):
+    """NIXL is used when installed (the default transport picks it), TCP otherwise. The module's cluster, before
+    any request: nothing has run on it yet."""
+    up = cluster
+    time.sleep(3)  # let start-up work settle
+    procs = pids(up)
+    before = {name: cpu_seconds(pid) for name, pid in procs.items()}
+    t0 = time.monotonic()
+    time.sleep(20)
+    elapsed = time.monotonic() - t0
+    usage = {name: (cpu_seconds(pid) - before[name]) / elapsed for name, pid in procs.items()}
+    assert all(u < 0.03 for u in usage.values()), usage
 
 
 def test_finished_and_aborted_requests_free_their_blocks(cluster):

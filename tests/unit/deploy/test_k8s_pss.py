@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from e2e.test_k8s_cli import EXAMPLES, chart_cluster, render, validate
 from support.pss import pod_templates, violations
 
 from unit.deploy.test_chart import CASES
 from unit.deploy.test_chart import render as helm_render
+from unit.splitserve.test_k8s_cli import EXAMPLES, chart_cluster, render, validate
 
 HOST_IPC = "baseline/host namespaces: hostIPC is true"
 

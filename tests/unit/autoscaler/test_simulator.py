@@ -1,15 +1,13 @@
 """The simulator: every request finishes exactly once (also across scale-ups, drains and kills), runs are
 deterministic, single requests take exactly the profile's times, the router's real policy spreads the load,
-the macro-step arithmetic matches step-by-step, the calibration fits report their errors, and the CLI's JSON
-contract holds."""
+the macro-step arithmetic matches step-by-step, and the calibration fits report their errors (the CLI's JSON
+contract: tests/e2e/test_simulator_cli.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,9 +31,7 @@ from splitserve.autoscaler.sim.simulator import SimSettings, Simulation, fresh, 
 from splitserve.autoscaler.sim.trace import SimRequest, Status
 from splitserve.autoscaler.sim.worker import _Step
 
-pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "results"
 TRACES = ROOT.parent / "shared" / "traces"
 
@@ -302,48 +298,3 @@ def test_reading_the_shared_traces():
         assert bool(rows[0].hash_ids) == hashed
     half = trace.scale(rows, time_scale=0.5, duration_s=600)
     assert half[-1].arrival <= 300.0
-
-
-def test_simulate_cli_ends_with_the_json_contract(tmp_path):
-    prof = tmp_path / "toy.json"
-    PROFILE.save(prof)
-    cmd = [sys.executable, "-m", "splitserve.cli", "simulate", "--poisson-rate", "20", "--num-requests", "300",
-           "--input-len", "600", "--output-len", "40", "--profile", str(prof), "--gpus", "8", "--policy", "slo",
-           "--slo-ttft", "1", "--slo-itl", "0.05", "--interval", "1", "--model-load-seconds", "5", "--json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    for key in ("slo_attainment", "gpu_seconds", "oracle_gpu_seconds", "requests"):
-        assert key in out, key
-    assert out["requests"] == 300 and 0.0 <= out["slo_attainment"] <= 1.0
-    assert out["gpu_seconds"] > 0 and out["oracle_gpu_seconds"] > 0
-
-
-@pytest.mark.skipif(not TRACES.exists(), reason="../shared/traces is not here")
-def test_the_docs_examples_run(tmp_path):
-    import re
-    import shlex
-
-    text = (ROOT / "docs" / "autoscaling.md").read_text()
-    commands = [c for block in re.findall(r"```sh\n(.*?)```", text, re.S)
-                for c in block.replace("\\\n", " ").splitlines() if "splitserve simulate" in c]
-    assert len(commands) == 2
-    try:
-        import matplotlib  # noqa: F401
-        has_plot = True
-    except ImportError:
-        has_plot = False
-    for command in commands:
-        args = shlex.split(command)[2:]  # after .venv/bin/splitserve simulate
-        args = [str(tmp_path / a) if a.endswith(".png") else a for a in args]
-        res = subprocess.run([sys.executable, "-m", "splitserve.cli", "simulate", *args], capture_output=True,
-                             text=True, timeout=300, cwd=ROOT)
-        if "--plot" in args and not has_plot:
-            assert res.returncode == 2 and "matplotlib" in res.stderr
-            continue
-        assert res.returncode == 0, res.stderr[-2000:]
-        if "--json" in args:
-            out = json.loads(res.stdout.strip().splitlines()[-1])
-            assert {"slo_attainment", "gpu_seconds", "oracle_gpu_seconds", "requests"} <= set(out)
-        if "--plot" in args:
-            assert (tmp_path / "timelines.png").stat().st_size > 0

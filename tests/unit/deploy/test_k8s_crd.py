@@ -5,8 +5,6 @@ their schema and CEL rules, and bad ones are refused with messages a person unde
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -14,17 +12,15 @@ import kubernetes_validate
 import pytest
 import yaml
 from click.testing import CliRunner
-from unit.deploy.test_k8s_schema import admit, to_json_schema
 
 from splitserve.cli import app
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import ConfigError, parse_resource
 from splitserve.hosts.k8s.crd import crd_yaml, crds
 from splitserve.hosts.k8s.status import ClusterStatus
+from unit.deploy.test_k8s_schema import admit, to_json_schema
 
-pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
 CLUSTER_CRD, ROLE_CRD = crds()
 
@@ -166,10 +162,3 @@ def test_splitserve_crd_values_schema_is_the_charts():
     result = CliRunner().invoke(app, ["crd", "--values-schema"])
     assert result.exit_code == 0
     assert result.output == (ROOT / "charts/splitserve/values.schema.json").read_text()
-
-
-def test_splitserve_operator_needs_its_namespaces_said():
-    result = subprocess.run([sys.executable, "-m", "splitserve.cli", "operator"], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.strip() == "splitserve: error: give --namespace NS (repeatable) or --all-namespaces"

@@ -1,14 +1,9 @@
-"""Routing policies: as plain objects (hand-made worker views), and through a real gateway in front of two real
-colocated workers, read from the per-reason decision counter and each worker's own request counter."""
+"""Routing policies as plain objects, on hand-made worker views (tests/e2e/test_routing_gateway.py runs them
+through a real gateway)."""
 
 from __future__ import annotations
 
-import asyncio
-import urllib.request
-
-import openai
 import pytest
-from support.serving import Up, metric_sum
 
 from splitserve.router.policy import (
     LeastLoaded,
@@ -18,8 +13,6 @@ from splitserve.router.policy import (
     WorkerLoad,
     make_policy,
 )
-
-pytestmark = pytest.mark.slow
 
 
 class View:
@@ -109,53 +102,6 @@ def test_make_policy_wraps_only_when_spill_is_on():
     assert isinstance(make_policy("round_robin", spill_prefill_tokens=0), RoundRobin)
     with pytest.raises(ValueError, match="unknown routing setting 'spill_prefil_tokens'"):
         make_policy("least_loaded", spill_prefil_tokens=1)
-
-
-def _worker_requests(up: Up, i: int) -> float:
-    return metric_sum(up.metrics("decode", i), "splitserve_worker_requests_total", rpc="generate", status="ok")
-
-
-def _decisions(up: Up, policy: str) -> float:
-    with urllib.request.urlopen(up.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("splitserve_router_decisions_total{") and f'policy="{policy}"' in line)
-
-
-@pytest.fixture(scope="module")
-def two_colocated():
-    up = Up("--mode", "colocated", "--decode", "2", "--routing", "round_robin")
-    yield up
-    assert up.stop() == 0
-
-
-def test_round_robin_spreads_evenly_across_two_workers(two_colocated):
-    up = two_colocated
-    c = openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    before = [_worker_requests(up, i) for i in (0, 1)]
-    for i in range(8):
-        c.completions.create(model="smollm2", prompt=f"Count to {i}:", max_tokens=2, temperature=0)
-    after = [_worker_requests(up, i) for i in (0, 1)]
-    assert [a - b for a, b in zip(after, before, strict=True)] == [4, 4]
-    assert _decisions(up, "round_robin") >= 8
-    assert _decisions(up, "least_loaded") == 0
-
-
-def test_least_loaded_spreads_concurrent_requests_as_before():
-    """Today's behaviour: eight requests in flight at once go four and four (fewest outstanding first)."""
-    up = Up("--mode", "colocated", "--decode", "2")
-    try:
-        async def main():
-            c = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-            await asyncio.gather(*(c.completions.create(model="smollm2", prompt=f"Story {i}:", max_tokens=24,
-                                                        temperature=0, extra_body={"ignore_eos": True})
-                                   for i in range(8)))
-
-        asyncio.run(main())
-        assert [_worker_requests(up, i) for i in (0, 1)] == [4, 4]
-        assert _decisions(up, "least_loaded") == 8
-    finally:
-        assert up.stop() == 0
 
 
 def test_a_long_prompt_goes_local_only_when_its_first_token_comes_no_later_there():

@@ -1,22 +1,17 @@
 """Seeded sampling is keyed by (seed, output position): the same tokens wherever a position is sampled
-(alone or batched, a resumed request at its offset, colocated or prefill-then-decode), different seeds differ."""
+(alone or batched, a resumed request at its offset), different seeds differ; colocated against prefill-then-decode
+is tests/e2e/test_seeded_sampling_clusters.py."""
 
 from __future__ import annotations
-
-import json
-import urllib.request
 
 import pytest
 import torch
 from support.helpers import make_engine
-from support.serving import Up, metric_sum
 
 from splitserve.common.protocol.convert import params_from_pb, params_to_pb
 from splitserve.common.sampling import SamplingParams, position_uniform
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
-
-pytestmark = pytest.mark.slow
 
 VOCAB = 64
 
@@ -135,41 +130,3 @@ def test_a_resumed_request_continues_as_the_full_run(engine):
     assert full[:k] + resumed["token_ids"] == full
     other = engine.generate([prompt], SamplingParams(max_tokens=16, **(sp | {"seed": 2025})))[0]["token_ids"]
     assert other != full
-
-
-# -- colocated and disaggregated, real processes ---------------------------------------------------------
-QUESTIONS = {  # seed -> a prompt; each long enough that its uncached part goes to the prefill worker
-    7: "Write a short story about a lighthouse keeper who finds a message in a bottle on a stormy night, and what "
-       "the message says.",
-    8: "Describe a journey by train across a snowy mountain range, as seen by a young child travelling alone to "
-       "visit her grandmother.",
-}
-
-
-def _chat(up: Up, seed: int) -> str:
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": QUESTIONS[seed]}], "max_tokens": 20,
-            "temperature": 0.9, "top_p": 0.95, "seed": seed, "ignore_eos": True}
-    req = urllib.request.Request(up.url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        out = json.loads(r.read())
-    assert out["usage"]["completion_tokens"] == 20
-    return out["choices"][0]["message"]["content"]
-
-
-def test_the_same_seed_gives_the_same_text_colocated_and_disaggregated():
-    up = Up("--mode", "colocated", "--decode", "1")
-    try:
-        colocated = {seed: _chat(up, seed) for seed in (7, 8)}
-        assert _chat(up, 7) == colocated[7]  # again, its prompt cached this time
-    finally:
-        assert up.stop() == 0
-    up = Up("--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--disagg-threshold", "32")
-    try:
-        disaggregated = {seed: _chat(up, seed) for seed in (7, 8)}
-        decode = up.metrics("decode")
-        assert metric_sum(decode, "splitserve_remote_prefill_total", outcome="ok") == 2
-        assert metric_sum(decode, "splitserve_local_prefill_total") == 0
-    finally:
-        assert up.stop() == 0
-    assert disaggregated == colocated
