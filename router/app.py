@@ -44,6 +44,12 @@ API_KEYS_ENV = "SPLITSERVE_API_KEYS"
 PARSE_INLINE_BYTES = 64 << 10  # bodies up to this size are parsed on the loop (cheaper than a thread hop)
 
 
+async def _client_left(request: Request) -> None:
+    """Returns once the client has hung up (its body already read, the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class _TokenClock:
     """Observes time to first token and inter-token latency as pieces with tokens arrive."""
 
@@ -163,9 +169,12 @@ class HTTPApi:
 
     async def _unary(self, spec: GenerationSpec, rid: str, endpoint: str, request: Request) -> Response:
         t0 = time.monotonic()
-        text, lps, finish, usage = [], [], None, (len(spec.prompt_token_ids), 0, 0)
+        text: list[str] = []
+        lps: list = []
         clock = _TokenClock(t0)
-        try:
+
+        async def collect() -> tuple[str | None, tuple[int, int, int]]:
+            finish, usage = None, (len(spec.prompt_token_ids), 0, 0)
             async for p in self.gw.generate(spec, rid):
                 clock.tick(p)
                 text.append(p.text)
@@ -174,12 +183,31 @@ class HTTPApi:
                 usage = (p.prompt_tokens, p.completion_tokens, p.cached_tokens)
                 if finish == "error":  # it failed after its first token and could not move
                     raise APIError(500, p.error, code="worker_error")
+            return finish, usage
+
+        # a client that leaves stops its tokens: the generation is cancelled (the worker aborts the request), as a
+        # stream's is, instead of running to max_tokens for nobody
+        work = asyncio.ensure_future(collect())
+        left = asyncio.ensure_future(_client_left(request))
+        try:
+            await asyncio.wait((work, left), return_when=asyncio.FIRST_COMPLETED)
+            gone = left.done()
+        finally:
+            left.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)  # its cancellation closes the worker's stream
+        if work.cancelled():
+            m.REQUESTS.labels(endpoint, m.CLIENT_CLOSED).inc()
+            return Response(status_code=499)
+        try:
+            finish, usage = work.result()
         except APIError as e:
             m.REQUESTS.labels(endpoint, str(e.status)).inc()
             return e.response()
         m.E2E.observe(time.monotonic() - t0)
         m.GENERATION_TOKENS.inc(usage[1])
-        m.REQUESTS.labels(endpoint, m.CLIENT_CLOSED if await request.is_disconnected() else "200").inc()
+        m.REQUESTS.labels(endpoint, m.CLIENT_CLOSED if gone else "200").inc()
         body = {"id": rid, "created": int(time.time()), "model": self.gw.model_name, "usage": _usage(*usage)}
         if spec.chat:
             body["object"] = "chat.completion"

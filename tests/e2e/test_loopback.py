@@ -108,6 +108,18 @@ def gateway_requests(cluster, status: str) -> float:
     return metric_sum(scrape(cluster.url), "splitserve_requests_total", endpoint="completions", status=status)
 
 
+def worker_metric(cluster, name: str, **labels: str) -> float:
+    return sum(metric_sum(scrape(c["metrics"]), name, **labels) for role in ("prefill", "decode")
+               for c in cluster.components.get(role, []))
+
+
+def wait_until_idle(cluster) -> None:
+    deadline = time.monotonic() + 240
+    while worker_metric(cluster, "splitserve_worker_running_requests") > 0:
+        assert time.monotonic() < deadline, "a worker still runs a request 240 s later"
+        time.sleep(0.1)
+
+
 def test_a_client_that_left_is_counted_499_not_200(cluster):
     before_200, before_499 = gateway_requests(cluster, "200"), gateway_requests(cluster, "499")
     body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
@@ -116,19 +128,24 @@ def test_a_client_that_left_is_counted_499_not_200(cluster):
             client.stream("POST", cluster.url + "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         next(r.iter_lines())
-    # unary: the client times out long before the tokens are done (the gateway finishes them, then counts); 512
-    # of them, since a fast CPU decodes 48 within the second
+    wait_until_idle(cluster)
+    finished = worker_metric(cluster, "splitserve_worker_requests_total", rpc="generate", status="ok")
+    # unary: the client times out long before its 4096 tokens are done; the gateway cancels the generation, so
+    # the worker aborts it instead of decoding for nobody (finished, it would count one more "ok")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(cluster.url + "/v1/completions", json={**body, "max_tokens": 512},
+        httpx.post(cluster.url + "/v1/completions", json={**body, "max_tokens": 4096},
                    timeout=httpx.Timeout(120, read=1.0))
     deadline = time.monotonic() + 240
     while gateway_requests(cluster, "499") - before_499 < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gateway_requests(cluster, "499") - before_499 == 2
     assert gateway_requests(cluster, "200") == before_200
+    wait_until_idle(cluster)
+    assert worker_metric(cluster, "splitserve_worker_requests_total", rpc="generate", status="ok") == finished
     # and a request that ends normally is still a 200
     r = httpx.post(cluster.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=120)
     assert r.status_code == 200 and gateway_requests(cluster, "200") == before_200 + 1
+    assert worker_metric(cluster, "splitserve_worker_requests_total", rpc="generate", status="ok") == finished + 1
 
 
 def test_the_probe_sees_a_socket_bound_beyond_loopback():
