@@ -28,6 +28,7 @@ from splitserve.router.metrics import HEALTH_FLAPS, WORKER_HEALTHY
 from splitserve.router.policy import WorkerLoad
 
 log = logging.getLogger("splitserve.router.workers")
+STARTING_CHECK_SECONDS = 0.2  # how often a starting worker's health is asked (the interval, if shorter)
 
 
 @dataclass(eq=False)
@@ -194,7 +195,10 @@ class WorkerSet:
         while True:
             self.sync()  # registry members' reported load changes without a membership change
             await self.check_all()
-            await asyncio.sleep(self.interval)
+            # a worker still starting (loading its model, or taking its new role) is asked more often, so it takes
+            # work within a moment of being ready; its check is one call on a near link
+            starting = any(w.state == "starting" for w in self.workers)
+            await asyncio.sleep(min(self.interval, STARTING_CHECK_SECONDS) if starting else self.interval)
 
     async def start(self) -> None:
         await self.membership.start()

@@ -190,7 +190,7 @@ class Launcher:
                 return False
             if gateway_all_healthy(url, len(self.components["prefill"]) + len(self.components["decode"])):
                 return True
-            time.sleep(0.5)
+            time.sleep(0.1)
         if not stop[0]:
             log.error("startup timed out after %.0f s", READY_TIMEOUT_S)
         return False
