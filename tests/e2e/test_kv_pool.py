@@ -118,7 +118,8 @@ class TestSharedPool:
     """Loads from the pool and a corrupted block, on one pool cluster (torn down after these two)."""
 
     @pytest.fixture(scope="class")
-    def pool(self):
+    @classmethod
+    def pool(cls):
         """One pool cluster (with its bundled Redis) for tests that write their own prompts' blocks and read
         them back: each sends prompts of its own and counts from the metrics as it found them."""
         up = pool_cluster()
@@ -176,7 +177,8 @@ class TestSmallRedis:
     these two)."""
 
     @pytest.fixture(scope="class")
-    def small_redis(self):
+    @classmethod
+    def small_redis(cls):
         """A pool cluster over a redis-server of its own, far smaller than the working set (40 MB): the
         eviction test fills it, then the next test kills it."""
         redis = RedisServer(extra=("--maxmemory", "40mb", "--maxmemory-policy", "volatile-lru"))

@@ -210,7 +210,8 @@ class TestOwnRedis:
     down after these two."""
 
     @pytest.fixture(scope="class")
-    def own_redis(self):
+    @classmethod
+    def own_redis(cls):
         """Two colocated workers, kv_aware routing, over a redis-server of the test's own: bad records are written
         into it, then the last test kills it and starts it again."""
         redis = RedisServer()
