@@ -207,7 +207,7 @@ class Gateway:
         charge = self._charge(decision, run)
         stream = worker.client.generate(self._call(gen, rid, run, decision))
         try:
-            async for piece in self._pieces(stream, run, self.spec.router.stall_seconds):
+            async for piece in self._pieces(stream, run, self.spec.router.stall_seconds * 2 ** run.stalls):
                 if piece.token_ids:
                     charge.first_token()
                     run.resumed()
@@ -267,6 +267,8 @@ class Gateway:
         if not run.produced:
             return None  # a plain retry on another worker
         run.moves += 1
+        if failed.reason == RetryReason.STALL:
+            run.stalls += 1
         limit = self.spec.router.migration_limit
         if run.moves > limit:
             run.moving.end("limit")
@@ -358,6 +360,7 @@ class _Run:
     busy_since: float = 0.0  # time.monotonic() of its first bounce (0: none)
     bounces: int = 0  # times a decode worker sent it back busy
     moves: int = 0  # moves after the first token
+    stalls: int = 0  # of which for a stall: each doubles its stall window (a slow worker is not pinged-ponged)
     moving: _Moving | None = None  # on its way from a failed worker to another one
     last_token_at: float = field(default_factory=time.monotonic)
 

@@ -33,7 +33,8 @@ class Script:
     """How one worker behaves: after `fail_after` tokens of a call, `how` (none: it finishes)."""
 
     fail_after: int = 1 << 30
-    how: str = "none"  # none | die | stall | retry | fatal | invalid
+    how: str = "none"  # none | die | stall | pause | retry | fatal | invalid
+    pause: float = 0.0  # how: pause waits this long, then goes on
     resume: bool = True  # its health lists the capability
     busy: int = 0  # its first `busy` calls answer busy before any token (no KV room for the prompt)
     calls: list[pb.GenerateRequest] = field(default_factory=list)
@@ -61,6 +62,8 @@ class ScriptedWorker(pb_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: out of range")
                 if s.how == "stall":
                     await asyncio.sleep(3600)
+                if s.how == "pause":
+                    await asyncio.sleep(s.pause)
                 if s.how in ("retry", "fatal"):
                     yield pb.GenerateResponse(request_id=request.request_id, finished=True, finish_reason="error",
                                               error="engine step failed", retry="engine" if s.how == "retry" else "")
@@ -141,6 +144,17 @@ def test_a_stall_moves_the_stream():
     text, finish, _, _ = asyncio.run(serve([first, second], {}, stallSeconds=0.5))
     assert (text, finish) == (TEXT, "length")
     assert moved("stall", "resumed") == before + 1
+
+
+def test_a_stall_move_doubles_the_request_s_window():
+    """Moved for a stall, the request waits twice as long on its next worker: a worker that is slow, not stopped
+    (a 0.7 s gap against a 0.5 s window), keeps it. Without the doubling it would move again, and with both
+    workers tried it would end with an error."""
+    first, second = Script(fail_after=2, how="stall"), Script(fail_after=2, how="pause", pause=0.7)
+    before = moved("stall", "resumed")
+    text, finish, _, _ = asyncio.run(serve([first, second], {}, stallSeconds=0.5))
+    assert (text, finish) == (TEXT, "length")
+    assert moved("stall", "resumed") == before + 1 and len(second.calls) == 1
 
 
 def test_a_retryable_error_moves_and_a_fatal_one_ends_with_error():
