@@ -358,10 +358,11 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
 def _step_down(current: int, stable: int) -> int:
     """Where one scale-down goes: to the stabilisation window's target, releasing at most half the pool
     (SCALE_DOWN_STEP). The window and the plan are means over minutes, and on a smooth load nothing else holds
-    prefill: a pool that falls from 10 replicas to 2 in one step meets the next surge with 2, which neither a
-    150-s cold start nor a flip from a decode pool with no spare makes good in time (Azure conversation at
-    150-s cold starts, seed 1: 40,000 requests missed in the ten minutes after such a step; with half a pool a
-    step the surge found 5 and the hour served 0.971 at 1.22x the oracle, against 0.907 at 1.27x)."""
+    prefill: a pool that falls from 7 or 10 replicas to 2 in one step meets the next surge with 2, which neither a
+    150-s cold start nor a flip from a decode pool without spare makes good in time (on Azure conversation at
+    150-s cold starts, such a step before a surge cost 36,000-40,000 requests in the next ten minutes). Measured
+    with flips: the bursty trace at 150-s cold starts 0.779 -> 0.805 of feasible requests (+0.03x the oracle's
+    GPU-seconds), Azure code at 20-s, seed 1, 0.906 -> 0.922 (+2.5%); Mooncake did not move."""
     return max(stable, current - max(1, math.floor(current * SCALE_DOWN_STEP)))
 
 
@@ -627,16 +628,10 @@ def _decode_short(d: RoleObservation, c: LawConfig, step_s: float) -> bool:
 
 
 def _backlog_need(role: str, ro: RoleObservation, n: Needs, c: LawConfig) -> float:
-    """Extra replicas to clear the backlog within a cold start (new replicas help only once loaded). For prefill,
-    only what the ready replicas, flat out, leave of its queue after a cold start: a queue they clear before a new
-    replica loads is a clump already draining. Counted whole, such a queue bought replicas that loaded after the
-    clump was gone, and burst memory (`_remember`) held them for minutes: on Azure code at 20-s cold starts, 17
-    prefill replicas for ten minutes after a 2.35 M-token clump that the 9 ready ones drained in 6.5 s."""
+    """Extra replicas to clear the backlog within a cold start (new replicas help only once loaded)."""
     horizon = c.cold_start_s + c.ttft_s
     if role == "prefill":
-        rate = n.capacity.prefill_raw_tokens_per_s
-        left = max(0.0, ro.waiting_prefill_tokens - ro.replicas_ready * rate * c.cold_start_s)
-        return left / (rate * horizon)
+        return ro.waiting_prefill_tokens / (n.capacity.prefill_raw_tokens_per_s * horizon)
     return ro.num_waiting * ro.mean_output_tokens / (n.capacity.decode_tokens_per_s * horizon)
 
 

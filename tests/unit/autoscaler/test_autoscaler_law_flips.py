@@ -22,12 +22,11 @@ FLIPS = dict(flips=True, flip_s=5.0)
 
 def prefill_burst(p: int, d: int, flips: bool = True, **kw) -> list:
     """Six calm windows (1 prefill replica's load, 1 decode replica's; too soon for decode's scale-down), then a
-    burst of 4 prefill replicas' load with 1.5 M prompt tokens queued, of which the 2 ready replicas leave 0.31 M
-    after a cold start: prefill wants ceil((4 + 0.51) / 0.8) = 6."""
+    burst of 4 prefill replicas' load with 300k prompt tokens queued: prefill wants ceil((4 + 0.49) / 0.8) = 6."""
     cfg = config(**(FLIPS if flips else {}), **kw)
     calm = steady(0, 6, p=p, d=d, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S)
     burst = [obs(90, p=p, d=d, prefill_tok_s=4.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S,
-                 queue_tokens=1_500_000, queued=1500, ttft_p90=4.0)]
+                 queue_tokens=300_000, queued=300, ttft_p90=4.0)]
     return run(calm + burst, cfg)
 
 
