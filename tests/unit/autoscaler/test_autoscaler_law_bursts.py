@@ -111,8 +111,7 @@ def test_prefill_queue_budget_is_what_a_long_prompt_s_prefill_leaves_of_the_ttft
 def test_prefill_scale_down_keeps_what_its_busiest_recent_window_needed():
     """A clump the ready prefill replicas absorb (no queue, no miss: no burst) in one window of a quiet pool: the
     plan smooths it over a minute (2.25 replicas: 3), but scale-down stays at what that window needed at full
-    utilisation (6 replicas' load over 0.8 -> 8) while the window is within the stabilisation window; then it
-    steps down half the pool at a time (8 -> 4, not 3)."""
+    utilisation (6 replicas' load over 0.8 -> 8) while the window is within the stabilisation window."""
     cfg = config(scale_down_cooldown_s=120.0, burst_memory_s=0.0)
     quiet = dict(p=10, prefill_tok_s=1.0 * PREFILL_TOK_S, **KW)
     stream = (steady(0, 6, **quiet) + [obs(90, p=10, prefill_tok_s=6.0 * PREFILL_TOK_S, **KW)]
@@ -121,8 +120,7 @@ def test_prefill_scale_down_keeps_what_its_busiest_recent_window_needed():
     assert not any(d.prefill.action == "up" for d in decisions)
     downs = [d for d in decisions if d.prefill.action == "down"]
     assert downs[0].time == 120 and downs[0].prefill.desired == 8  # the clump's window is within the last 120 s
-    assert downs[1].time == 240 and downs[1].prefill.desired == 4  # toward the plan's 2.25 / 0.8, half a step
-    assert "at most half the pool" in downs[1].prefill.reason
+    assert downs[1].time == 240 and downs[1].prefill.desired == 3  # the plan's 2.25 / 0.8, once it has left
     assert decisions[-1].prefill.desired == 2  # ceil(1 / 0.8)
 
 
