@@ -37,6 +37,8 @@ SPILL_SHARE_MAX = 0.5
 KV_PEAK_MARGIN = 1.2
 # decode replicas ready before, on such a load, decode's SLO loop reads its tail as spill noise (see `_slack`)
 SPILL_TAIL_MIN_DECODE = 3
+# one scale-down releases at most this share of a role's replicas (see `_step_down`)
+SCALE_DOWN_STEP = 0.5
 
 __all__ = ["ROLES", "ControllerState", "LawConfig", "RoleDecision", "RoleState", "ScalingDecision", "decide"]
 
@@ -346,10 +348,24 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
     stable = max(v for _, v in recent)
     if (stable < current and planned < low * base and _calm(role, ro, c)
             and now - rs.last_change >= _base_hold(role, c)):
-        return plan(stable, f"down {current}->{stable}: need {planned:.2f} < {low:.2f} of {base} "
-                            f"for {rs.hold_s:g} s")
+        down = _step_down(current, stable) if c.flips else stable
+        return plan(down, f"down {current}->{down}: need {planned:.2f} < {low:.2f} of {base} for {rs.hold_s:g} s"
+                          + (f" (at most half the pool a step; the window allows {stable})" if down > stable else ""))
     util = planned / base if base > 0 else 0.0
     return plan(current, f"hold {current}: utilisation {util:.2f} (target {u:.2f})")
+
+
+def _step_down(current: int, stable: int) -> int:
+    """Where one scale-down goes where workers can flip: to the stabilisation window's target, releasing at most
+    half the pool (SCALE_DOWN_STEP). The window and the plan are means over minutes, and on a smooth load nothing
+    else holds prefill: a pool that falls from 7 or 10 replicas to 2 in one step meets the next surge with 2,
+    which neither a 150-s cold start nor a flip from a decode pool without spare makes good in time (on Azure
+    conversation at 150-s cold starts, such a step before a surge cost 36,000-40,000 requests in the next ten
+    minutes). With flips: the bursty trace at 150-s cold starts 0.779 -> 0.805 of feasible requests (+0.03x the
+    oracle's GPU-seconds), Azure code at 20-s, seed 1, 0.906 -> 0.922 (+2.5%); Mooncake did not move. Without
+    flips it bought nothing: Azure conversation at 20 s 0.979 -> 0.981 for 0.03x more, the bursty trace at 150 s
+    0.800 -> 0.798 for 0.04x more."""
+    return max(stable, current - max(1, math.floor(current * SCALE_DOWN_STEP)))
 
 
 def _binned_max(history: tuple[tuple[float, float], ...]) -> float:
