@@ -357,14 +357,10 @@ def _role(role: str, obs: Observation, n: Needs, rs: RoleState, c: LawConfig, sh
 
 def _step_down(current: int, stable: int) -> int:
     """Where one scale-down goes where workers can flip: to the stabilisation window's target, releasing at most
-    half the pool (SCALE_DOWN_STEP). The window and the plan are means over minutes, and on a smooth load nothing
-    else holds prefill: a pool that falls from 7 or 10 replicas to 2 in one step meets the next surge with 2,
-    which neither a 150-s cold start nor a flip from a decode pool without spare makes good in time (on Azure
-    conversation at 150-s cold starts, such a step before a surge cost 36,000-40,000 requests in the next ten
-    minutes). With flips: the bursty trace at 150-s cold starts 0.779 -> 0.805 of feasible requests (+0.03x the
-    oracle's GPU-seconds), Azure code at 20-s, seed 1, 0.906 -> 0.922 (+2.5%); Mooncake did not move. Without
-    flips it bought nothing: Azure conversation at 20 s 0.979 -> 0.981 for 0.03x more, the bursty trace at 150 s
-    0.800 -> 0.798 for 0.04x more."""
+    half the pool (SCALE_DOWN_STEP). The window and the plan are means over minutes: a pool that falls from 7 or 10
+    replicas to 2 in one step meets the next surge with 2, which neither a 150-s cold start nor a flip from a
+    decode pool without spare makes good in time. Without flips the halving bought nothing, so it applies only
+    with them (measurements: docs/autoscaling.md, issue 40)."""
     return max(stable, current - max(1, math.floor(current * SCALE_DOWN_STEP)))
 
 

@@ -37,7 +37,7 @@ metadata: {{name: seeds-colocated}}
 spec:
   mode: colocated
   decode: {{replicas: 2, engine: {{batchInvariant: true, maxNumBatchedTokens: {CHUNK}}}}}
-  router: {{policy: round_robin, stallSeconds: 3}}
+  router: {{policy: round_robin, stallSeconds: 10}}
   kvPool: {{enabled: true}}
 """
 DISAGGREGATED = f"""apiVersion: splitserve.dev/v1alpha1
@@ -48,6 +48,11 @@ spec:
   prefill: {{replicas: 1, engine: {{batchInvariant: true, maxNumBatchedTokens: {CHUNK}}}}}
   decode: {{replicas: 1, disaggThreshold: 16, engine: {{batchInvariant: true, maxNumBatchedTokens: {CHUNK}}}}}
 """
+
+
+# stallSeconds 10: the stalled worker's streams move 10 s after its last token; a shorter window also moves
+# streams of a worker that is merely slow (a step of 8 long prompts on a loaded 2-core box can take seconds),
+# and the counts below assume family 0's first runs stayed where they started
 
 
 def prompt(length: int, family: int) -> list[int]:
