@@ -360,7 +360,7 @@ class _Run:
     busy_since: float = 0.0  # time.monotonic() of its first bounce (0: none)
     bounces: int = 0  # times a decode worker sent it back busy
     moves: int = 0  # moves after the first token
-    stalls: int = 0  # of which for a stall: each doubles its stall window (a slow worker is not pinged-ponged)
+    stalls: int = 0  # of which for a stall: each doubles its stall window (a slow worker does not ping-pong it)
     moving: _Moving | None = None  # on its way from a failed worker to another one
     last_token_at: float = field(default_factory=time.monotonic)
 

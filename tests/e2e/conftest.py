@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from support.redis_server import RedisServer
 from support.serving import Up
 
 
@@ -14,3 +15,11 @@ def colocated_one():
     up = Up("--mode", "colocated", "--decode", "1")
     yield up
     assert up.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def redis():
+    """A real redis-server of the module's own."""
+    server = RedisServer()
+    yield server
+    server.close()

@@ -17,13 +17,6 @@ from splitserve.router.policy import PolicyError, make_policy, policy_settings
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def redis():
-    server = RedisServer()
-    yield server
-    server.close()
-
-
 async def _link(url: str) -> RedisLink:
     link = RedisLink(url, timeout=0.5, retry_s=0.1)
     await link.start()

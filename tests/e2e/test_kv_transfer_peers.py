@@ -95,13 +95,20 @@ def test_sixteen_concurrent_requests(receiver, peer):
     assert receiver.num_pending == 0
 
 
+def first_frame_landed(receiver, rid: str) -> None:
+    """Wait (at most 60 s) until the first of `rid`'s frames has landed."""
+    deadline = time.monotonic() + 60
+    while receiver.progress(rid) < 1:
+        assert time.monotonic() < deadline, f"no frame of {rid} landed in 60 s"
+        time.sleep(0.01)
+
+
 def test_cancel_mid_stream_releases_everything(receiver, peer):
     rng = random.Random(4)
     src, dst = blocks(rng, 8), blocks(rng, 8)
     ticket = receiver.expect("req-cancel", dst, timeout_s=20)
     peer.send(ticket, src, delay=0.3)
-    while receiver.progress("req-cancel") < 1:
-        time.sleep(0.01)
+    first_frame_landed(receiver, "req-cancel")
     receiver.cancel("req-cancel")
     with pytest.raises(TransferCancelled):
         receiver.wait_blocking("req-cancel")
@@ -120,8 +127,7 @@ def test_sender_killed_mid_stream_fails_within_deadline(receiver, peer):
     deadline_s = 3.0
     ticket = receiver.expect("req-kill", dst, timeout_s=deadline_s)
     peer.send(ticket, src, delay=0.4)
-    while receiver.progress("req-kill") < 1:
-        time.sleep(0.01)
+    first_frame_landed(receiver, "req-kill")
     t0 = time.monotonic()
     peer.kill()
 

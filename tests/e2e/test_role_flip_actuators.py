@@ -17,7 +17,6 @@ from typing import Any
 import kmock as km
 import kopf
 import pytest
-from support.redis_server import RedisServer
 from unit.hosts.test_operator_kmock import (
     CLUSTERS,
     DEPLOYMENTS,
@@ -49,13 +48,6 @@ from splitserve.hosts.local.autoscale import LocalAutoscaler
 pytestmark = pytest.mark.slow
 
 FLIP = RoleFlip("decode", "prefill", 1, "prefill needs one more; decode has one to spare", 5.0)
-
-
-@pytest.fixture(scope="module")
-def redis():
-    server = RedisServer()
-    yield server
-    server.close()
 
 
 class Fleet:

@@ -7,7 +7,6 @@ import asyncio
 
 import httpx
 import pytest
-from support.redis_server import RedisServer
 from unit.router.test_role_flip import MODEL, FlipHandler, post, serving
 
 from splitserve.common.config import ClusterSpec
@@ -24,13 +23,6 @@ pytestmark = pytest.mark.slow
 
 
 # -- the registry and a gateway's view ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def redis():
-    server = RedisServer()
-    yield server
-    server.close()
-
-
 async def registered(redis_url: str, name: str, role: str, endpoint: str) -> tuple[RedisLink, Registration]:
     link = RedisLink(redis_url)
     await link.start()
