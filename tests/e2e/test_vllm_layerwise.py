@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -173,9 +174,9 @@ def kill(up: Up, role: str, index: int) -> dict[str, str]:
     return env
 
 
-def restart(up: Up, role: str, index: int, env: dict[str, str]) -> None:
-    """The worker again, on its ports and with its server's cores, as `up` started it; until the gateway sees it
-    healthy."""
+def restart(up: Up, role: str, index: int, env: dict[str, str]) -> Callable[[], None]:
+    """The worker again, on its ports and with its server's cores, as `up` started it. Returns the wait until the
+    gateway sees it healthy (the caller waits on something else while it starts)."""
     info = up.components[role][index]
     port, mport = info["grpc"].rsplit(":", 1)[1], info["metrics"].rsplit(":", 1)[1]
     log = open(up.logs / f"{info['name']}-{len(up.restarted)}.log", "w")
@@ -185,8 +186,8 @@ def restart(up: Up, role: str, index: int, env: dict[str, str]) -> None:
                             env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": env["VLLM_CPU_OMP_THREADS_BIND"]})
     up.restarted.append(proc)
     info["pid"] = proc.pid
-    wait_until(lambda: proc.poll() is None and worker(up, role, index).get("state") == "up", 900,
-               f"the restarted {info['name']} was not up (log: {log.name})")
+    return lambda: wait_until(lambda: proc.poll() is None and worker(up, role, index).get("state") == "up", 900,
+                              f"the restarted {info['name']} was not up (log: {log.name})")
 
 
 # == the tests, in order ==========================================================================================
@@ -235,9 +236,10 @@ def test_a_prefill_worker_killed_mid_transfer_costs_no_request_holds_no_block_an
     reasons = concurrently(cluster, 3, kill_when_busy, repeat=8)
     assert all(r in ("stop", "length") for r in reasons), reasons
     decode_urls = [server(cluster, "decode", i)[1] for i in range(2)]
+    until_up = restart(cluster, "prefill", 0, env)  # it starts while the reservations wait out their deadline
     wait_until(lambda: all(kv_usage(u) == 0 for u in decode_urls), TIMEOUT_S + 60,
                "a decode server still holds a reservation of the killed prefill server")
-    restart(cluster, "prefill", 0, env)
+    until_up()
     before = remote_ok(cluster)
     t0 = time.monotonic()
     assert ask(cluster, fresh(0)).strip()
@@ -264,9 +266,10 @@ def test_a_decode_worker_killed_under_load_costs_no_stream_and_its_restart_is_wr
 
     reasons = concurrently(cluster, 4, kill_when_streaming, max_tokens=32)
     assert all(r in ("stop", "length") for r in reasons), reasons
+    until_up = restart(cluster, "decode", 0, env0)
     wait_until(lambda: old not in worker(cluster, "prefill", 0).get("kv_transports", {}), 60,
                "the prefill server kept the killed decode server's NIXL agent")
-    restart(cluster, "decode", 0, env0)
+    until_up()
     new = f"127.0.0.1:{server(cluster, 'decode', 0)[2]['VLLM_NIXL_SIDE_CHANNEL_PORT']}"
     before = remote_ok(cluster, 0)
     for i in range(8):  # least_loaded routing: an idle pair alternates, so the restarted worker gets some soon
