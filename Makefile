@@ -52,8 +52,18 @@ UP_FILE ?= deploy/examples/local-cpu.yaml
 up: model
 	$(BIN)/splitserve up $(if $(UP_FILE),-f $(UP_FILE)) --model $(MODEL) --port $(PORT)
 
+# `make test`: tests/e2e and, beside it at a lower priority, tests/unit. The e2e half keeps about one core of two
+# busy (process starts, clocks, networks); the unit half starts no process of its own and fills the other. Each
+# half's report comes whole, unit's after e2e's. With PYTEST_ARGS (a path, -k, -x): one run of just that.
 test: venv-test model
+ifeq ($(strip $(PYTEST_ARGS)),)
+	@log=$$(mktemp); unit=; trap 'test -n "$$unit" && kill $$unit 2>/dev/null; rm -f $$log' EXIT; \
+	nice -n 10 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/unit > $$log 2>&1 & unit=$$!; \
+	$(BIN)/python -m pytest -q --durations=30 tests/e2e; e2e=$$?; \
+	wait $$unit; rc=$$?; unit=; echo "== tests/unit"; cat $$log; test $$e2e -eq 0 && test $$rc -eq 0
+else
 	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
+endif
 
 proto: venv-test
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. splitserve/common/protocol/splitserve.proto
