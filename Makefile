@@ -57,7 +57,8 @@ up: model
 # half's report comes whole, unit's after e2e's. With PYTEST_ARGS (a path, -k, -x): one run of just that.
 test: venv-test model
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@log=$$(mktemp); unit=; trap 'test -n "$$unit" && kill $$unit 2>/dev/null; rm -f $$log' EXIT; \
+	@log=$$(mktemp); unit=; stop() { test -n "$$unit" && kill $$unit 2>/dev/null; rm -f $$log; }; \
+	trap stop EXIT; trap 'stop; exit 130' INT TERM; \
 	nice -n 10 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/unit > $$log 2>&1 & unit=$$!; \
 	$(BIN)/python -m pytest -q --durations=30 tests/e2e; e2e=$$?; \
 	wait $$unit; rc=$$?; unit=; echo "== tests/unit"; cat $$log; test $$e2e -eq 0 && test $$rc -eq 0
