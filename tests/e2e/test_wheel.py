@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -106,11 +107,13 @@ def _link_torch(bin_: Path) -> None:
     site = Path(_run([str(bin_ / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                      cwd=src).stdout.strip())
     names = ["torch", "torchgen", "functorch", f"torch-{torch.__version__}.dist-info"]
-    linked = all(subprocess.run(["cp", "-al", str(src / n), str(site / n)], capture_output=True).returncode == 0
-                 for n in names if (src / n).exists())
-    if not linked:
+    try:
         for n in names:
-            subprocess.run(["rm", "-rf", str(site / n)], check=True)
+            if (src / n).exists():
+                shutil.copytree(src / n, site / n, copy_function=os.link)
+    except OSError:  # shutil.Error too: another file system
+        for n in names:
+            shutil.rmtree(site / n, ignore_errors=True)
     _run([str(bin_ / "python"), "-m", "pip", "install", "-q", f"torch=={torch.__version__}"], cwd=site)
 
 
