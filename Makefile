@@ -15,7 +15,7 @@ NIXL_VERSION ?= 1.5.1
 MODEL ?= smollm2
 PYTEST_ARGS ?=
 
-.PHONY: up test venv venv-test model lint proto clean bench wheel
+.PHONY: up test test-durations venv venv-test model lint proto clean bench wheel
 
 # Two installs into one virtualenv, each the size of its job. `venv` (what `make up` needs): CPU torch, splitserve
 # and its serving dependencies, NIXL. `venv-test` (what `make test` needs) adds the test tools, Kubernetes, Ray,
@@ -52,19 +52,21 @@ UP_FILE ?= deploy/examples/local-cpu.yaml
 up: model
 	$(BIN)/splitserve up $(if $(UP_FILE),-f $(UP_FILE)) --model $(MODEL) --port $(PORT)
 
-# `make test`: tests/e2e and, beside it at a lower priority, tests/unit. The e2e half keeps about one core of two
-# busy (process starts, clocks, networks); the unit half starts no process of its own and fills the other. Each
-# half's report comes whole, unit's after e2e's. With PYTEST_ARGS (a path, -k, -x): one run of just that.
+# `make test`: tests/e2e and tests/unit in two pytest processes (pytest-xdist), a module at a time to each, the
+# longest modules first (tests/durations.json) so both finish together. One process keeps only about 1.2 cores of
+# two busy: most e2e tests wait on process starts, clocks and one-core workers. `make test-durations` measures the
+# modules again. With PYTEST_ARGS (a path, -k, -x): one process running just that.
+TEST_PROCESSES ?= 2
+XDIST = -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder
 test: venv-test model
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@log=$$(mktemp); unit=; stop() { test -n "$$unit" && kill $$unit 2>/dev/null; rm -f $$log; }; \
-	trap stop EXIT; trap 'stop; exit 130' INT TERM; \
-	nice -n 10 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/unit > $$log 2>&1 & unit=$$!; \
-	$(BIN)/python -m pytest -q --durations=30 tests/e2e; e2e=$$?; \
-	wait $$unit; rc=$$?; unit=; echo "== tests/unit"; cat $$log; test $$e2e -eq 0 && test $$rc -eq 0
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) --durations=30 tests/e2e tests/unit
 else
 	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_ARGS)
 endif
+
+test-durations: venv-test model
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) --record-durations tests/e2e tests/unit
 
 proto: venv-test
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. splitserve/common/protocol/splitserve.proto

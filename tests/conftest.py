@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from support.models import make_random_model
 
+pytest_plugins = ["support.schedule"]
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OpenMP threads that wait sleep instead of spinning (set before torch loads; the clusters the tests start

@@ -19,6 +19,7 @@ import random
 import signal
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -73,6 +74,17 @@ def alone(up: Up, tokens: list[int]) -> str:
     out = OpenAI(base_url=up.url + "/v1", api_key="none", timeout=300).completions.create(**body(tokens))
     assert out.usage.completion_tokens == MAX_TOKENS
     return out.choices[0].text
+
+
+def alone_on_each_worker(up: Up, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[str, str]]:
+    """Each pair sent at once to the colocated cluster: its round robin gives consecutive requests to its two
+    workers in turn, so each request runs alone on its worker, beside the other on the other core."""
+    texts = []
+    with ThreadPoolExecutor(2) as pool:
+        for x, y in pairs:
+            a, b = pool.submit(alone, up, x), pool.submit(alone, up, y)
+            texts.append((a.result(), b.result()))
+    return texts
 
 
 async def together(up: Up, requests: list[list[int]], when_all_have: int = 0, then=None) -> list[str]:
@@ -139,17 +151,18 @@ def test_a_seed_gives_the_same_text_in_every_placement_and_company(tmp_path):
             texts[n, 0]["colocated beside 7"] = text
         wait_for_pool_writes(up, sum((len(t) + MAX_TOKENS - 1) // 16 for t in company))  # every full block
         hits_before = decode_metric(up, "splitserve_worker_prefix_hit_tokens_total")
-        # family 0 again, alone, twice in a row: one turn on each worker (one has it cached, the other loads it)
-        for n, tokens in zip(LENGTHS, fam0, strict=True):
-            texts[n, 0]["colocated alone, again"] = alone(up, tokens)
-            texts[n, 0]["colocated alone, on the other worker"] = alone(up, tokens)
+        # family 0 again, alone on each worker at once (one has it cached, the other loads it)
+        for n, (a, b) in zip(LENGTHS, alone_on_each_worker(up, [(tokens, tokens) for tokens in fam0]), strict=True):
+            texts[n, 0]["colocated alone, again"], texts[n, 0]["colocated alone, on the other worker"] = a, b
         # the prompts with at least kvPool.minLoadTokens (64) in full blocks are loaded, the others computed
         assert decode_metric(up, "splitserve_kv_pool_hit_tokens_total") == sum((n - 1) // 16 * 16 for n in LENGTHS
                                                                                if n > 64)
         assert decode_metric(up, "splitserve_worker_prefix_hit_tokens_total") > hits_before
-        # family 1, cold, alone
-        for n in LENGTHS:
-            texts[n, 1]["colocated alone"] = alone(up, prompt(n, 1))
+        # family 1, cold, alone on its worker (two lengths at a time, one on each)
+        pairs = alone_on_each_worker(up, [(prompt(n, 1), prompt(m, 1)) for n, m in zip(LENGTHS[::2], LENGTHS[1::2],
+                                                                                       strict=True)])
+        for (n, m), (a, b) in zip(zip(LENGTHS[::2], LENGTHS[1::2], strict=True), pairs, strict=True):
+            texts[n, 1]["colocated alone"], texts[m, 1]["colocated alone"] = a, b
         # family 2: 8 streams (4 a worker); once each has sent 3 tokens the busier worker stalls and its streams
         # move to the other, which continues them after computing their output so far
         stalled = {}
