@@ -4,6 +4,8 @@ agent receiving for each backend (TCP and NIXL)."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # inherit it): on a shared 2-core box a spinning thread takes the core its partner needs, and a step takes
 # several times as long. Only the waiting changes, not the arithmetic.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s two processes end with the pytest that started them
+    from splitserve.common.proc import die_with
+
+    die_with(os.getppid())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C on `make test` stops it at once: pytest-xdist's own shutdown waits for each process's module to end.
+    Its processes end with it (above), and the clusters they started with them."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        signal.signal(signal.SIGINT, _stop_now)
+
+
+def _stop_now(signum: int, frame: object) -> None:
+    sys.stderr.write("\ninterrupted: the test processes and their clusters stop\n")
+    os._exit(130)
 
 
 @pytest.fixture(scope="session")
