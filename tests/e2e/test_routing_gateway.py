@@ -48,10 +48,10 @@ def test_least_loaded_spreads_concurrent_requests_as_before():
     up = Up("--mode", "colocated", "--decode", "2")
     try:
         async def main():
-            c = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-            await asyncio.gather(*(c.completions.create(model="smollm2", prompt=f"Story {i}:", max_tokens=24,
-                                                        temperature=0, extra_body={"ignore_eos": True})
-                                   for i in range(8)))
+            async with openai.AsyncOpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+                await asyncio.gather(*(c.completions.create(model="smollm2", prompt=f"Story {i}:", max_tokens=24,
+                                                            temperature=0, extra_body={"ignore_eos": True})
+                                       for i in range(8)))
 
         asyncio.run(main())
         assert [_worker_requests(up, i) for i in (0, 1)] == [4, 4]

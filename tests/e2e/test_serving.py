@@ -131,8 +131,8 @@ def test_32_concurrent_streams_complete_correctly(disagg, bare):
         return i, text, finish
 
     async def main():
-        c = openai.AsyncOpenAI(base_url=disagg.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        return await asyncio.gather(*(one(c, i) for i in range(32)))
+        async with openai.AsyncOpenAI(base_url=disagg.url + "/v1", api_key="unused", max_retries=0, timeout=600) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
 
     results = asyncio.run(main())
     assert len(results) == 32
@@ -249,12 +249,12 @@ def test_prefill_worker_killed_mid_flight_every_request_completes():
             return r.choices[0].message.content, r.choices[0].finish_reason
 
         async def main():
-            c = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-            tasks = [asyncio.ensure_future(one(c, i)) for i in range(8)]
-            await asyncio.sleep(0.3)
-            os.kill(pid, signal.SIGKILL)
-            tasks += [asyncio.ensure_future(one(c, i)) for i in range(8, 12)]
-            return await asyncio.wait_for(asyncio.gather(*tasks), 300)
+            async with openai.AsyncOpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+                tasks = [asyncio.ensure_future(one(c, i)) for i in range(8)]
+                await asyncio.sleep(0.3)
+                os.kill(pid, signal.SIGKILL)
+                tasks += [asyncio.ensure_future(one(c, i)) for i in range(8, 12)]
+                return await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
         results = asyncio.run(main())
         assert len(results) == 12 and all(text and finish in ("stop", "length") for text, finish in results)

@@ -159,9 +159,10 @@ def concurrently(up: Up, n: int, during, max_tokens: int = 16, repeat: int = 1) 
         return reason
 
     async def main() -> list[str]:
-        tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
-        await asyncio.to_thread(during)
-        return await asyncio.gather(*tasks)
+        async with aio:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+            await asyncio.to_thread(during)
+            return await asyncio.gather(*tasks)
 
     return asyncio.run(main())
 

@@ -131,11 +131,12 @@ def test_a_killed_vllm_prefill_server_costs_no_request(pd):
         return r.choices[0].finish_reason
 
     async def main() -> list[str]:
-        tasks = [asyncio.ensure_future(one(i)) for i in range(4)]
-        await asyncio.sleep(0.5)
-        os.killpg(pid, signal.SIGKILL)  # the server and its engine processes
-        tasks += [asyncio.ensure_future(one(i)) for i in range(4, 8)]
-        return await asyncio.gather(*tasks)
+        async with aio:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(4)]
+            await asyncio.sleep(0.5)
+            os.killpg(pid, signal.SIGKILL)  # the server and its engine processes
+            tasks += [asyncio.ensure_future(one(i)) for i in range(4, 8)]
+            return await asyncio.gather(*tasks)
 
     reasons = asyncio.run(main())
     assert all(r in ("stop", "length") for r in reasons), reasons

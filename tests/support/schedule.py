@@ -20,13 +20,17 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _recorded() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--record-durations", action="store_true",
                      help=f"write the seconds (setup, call, teardown) of each module run to {DURATIONS}")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    seconds = _recorded()
     first_seen = {}
     for i, item in enumerate(items):
         first_seen.setdefault(_module(item.nodeid), i)
@@ -43,7 +47,7 @@ class _Recorder:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if hasattr(session.config, "workerinput"):  # an xdist worker: its controller sees every report
             return
-        seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        seconds = _recorded()
         seconds.update({m: round(s, 1) for m, s in self.seconds.items()})  # the modules run; the others as they were
         DURATIONS.write_text(json.dumps(dict(sorted(seconds.items())), indent=0) + "\n")
 

@@ -40,9 +40,7 @@ async def test_a_worker_not_listening_yet_is_starting_and_one_that_died_is_down(
     for _ in range(3):  # nothing listens on the port yet
         await workers.check(worker)
     assert worker.state == "starting" and workers.alive("decode")
-    # ours only: a client another test dropped may be collected now and log its own error
-    assert not [r for r in caplog.records if r.name.startswith("splitserve") and r.levelno >= logging.WARNING], \
-        caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
     server = await _serve(port)
     try:
