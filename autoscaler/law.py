@@ -93,6 +93,8 @@ class LawConfig:
             profile=profile, bounds=bounds, ttft_s=spec.slo.ttft_seconds, itl_s=spec.slo.itl_seconds,
             scale_up_cooldown_s=a.scale_up_cooldown_seconds, scale_down_cooldown_s=a.scale_down_cooldown_seconds,
             planner_interval_s=a.planner_interval_seconds,
+            # a trough as long as the cooldown releases replicas: the need's mean may not outlast it
+            smoothing_s=min(cls.smoothing_s, max(a.scale_down_cooldown_seconds, a.interval_seconds)),
             cold_start_s=a.cold_start_seconds or profile.cold_start(spec.engine_of("decode")),
             flips=a.role_flips and spec.mode == "disaggregated",
             flip_s=profile.flip_seconds if a.flip_seconds is None else a.flip_seconds,

@@ -256,7 +256,7 @@ class AutoscalingSpec(Spec):
     scale_up_cooldown_seconds: Annotated[float, Field(ge=0)] = 30.0
     """Least time between two scale-ups of a role."""
     scale_down_cooldown_seconds: Annotated[float, Field(ge=0)] = 300.0
-    """Least time after any change before a role scales down."""
+    """Least time after any change before a role scales down, and the stabilisation window: a trough shorter than this keeps its replicas. Under 60 s it is also the window the need is averaged over, so a trough this long does release them."""
     gpu_budget: Annotated[int, Field(ge=1)] | None = None
     """Most GPUs the cluster's workers may hold together; none: no cap."""
     cold_start_seconds: Seconds | None = None

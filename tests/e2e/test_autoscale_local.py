@@ -20,7 +20,7 @@ from support.serving import Up, metric_sum, scrape
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("alpha", "river", "copper", "violet", "harbor", "signal", "meadow", "quartz", "lantern", "orbit",
          "pepper", "summit", "timber", "velvet", "canyon", "ember", "falcon", "glacier", "island", "jasper")
-INTERVAL, UP_COOLDOWN, DOWN_COOLDOWN = 2.0, 15.0, 10.0
+INTERVAL, UP_COOLDOWN, DOWN_COOLDOWN = 2.0, 15.0, 5.0
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

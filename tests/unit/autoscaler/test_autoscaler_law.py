@@ -544,3 +544,22 @@ def test_called_every_5_s_the_fast_loop_sizes_on_the_last_15_s():
     last = run(stream, config(), follow=False)[-1]
     assert last.prefill.need == pytest.approx(3.0, rel=1e-6)  # (1 + 1 + 7) / 3
     assert last.prefill.action == "up" and last.prefill.desired < 7
+
+
+def test_a_trough_as_long_as_a_short_scale_down_cooldown_releases_replicas():
+    """The need is averaged over a minute, or over `scaleDownCooldownSeconds` when that is shorter: with a 20-s
+    cooldown, a load that stops is scaled down to one replica 40 s later, where a minute's mean keeps three."""
+    def spec(**autoscaling) -> ClusterSpec:
+        return ClusterSpec.model_validate({"mode": "disaggregated", "prefill": {"minReplicas": 1, "maxReplicas": 9},
+                                           "autoscaling": {"mode": "slo", "intervalSeconds": 5,
+                                                           "plannerIntervalSeconds": 5, **autoscaling}})
+    short = LawConfig.from_spec(spec(scaleDownCooldownSeconds=20), PROFILE)
+    assert short.smoothing_s == 20.0
+    assert LawConfig.from_spec(spec(), PROFILE).smoothing_s == 60.0  # the default cooldown, 300 s
+    assert LawConfig.from_spec(spec(scaleDownCooldownSeconds=0), PROFILE).smoothing_s == 5.0  # one window
+    load = dict(p=4, d=2, out_tok_s=1.0 * DECODE_TOK_S)
+    stream = [replace(obs(5.0 * (i + 1), prefill_tok_s=(3.0 * PREFILL_TOK_S if i < 12 else 0.0), **load),
+                      window_seconds=5.0) for i in range(20)]  # a minute of load, then 40 s of none
+
+    assert run(stream, short)[-1].prefill.desired == 1
+    assert run(stream, replace(short, smoothing_s=60.0))[-1].prefill.desired == 3
