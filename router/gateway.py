@@ -291,15 +291,18 @@ class Gateway:
         first = True
         while True:
             try:
-                if first or stall_s <= 0:
+                # a new request's first token waits on its queue and prefill; a moved one's next worker gets twice
+                # the window for its first (it computes the context again), not forever (it may be stopped)
+                window = 2 * stall_s if first else stall_s
+                if (first and not run.produced) or stall_s <= 0:
                     resp = await anext(chunks)
                 else:
-                    async with asyncio.timeout(stall_s):
+                    async with asyncio.timeout(window):
                         resp = await anext(chunks)
             except StopAsyncIteration:
                 raise _Moved(RetryReason.WORKER_GONE, "the worker ended the stream before the request finished") from None
             except TimeoutError:
-                raise _Moved(RetryReason.STALL, f"no token for {stall_s:g} s") from None
+                raise _Moved(RetryReason.STALL, f"no token for {window:g} s") from None
             if resp.finish_reason in ("error", "abort") and resp.finished:
                 if resp.retry:
                     raise _Moved(resp.retry, resp.error or f"finish_reason {resp.finish_reason}")

@@ -349,8 +349,7 @@ class RouterSpec(Spec):
     """How often one request may move to another decode worker after its stream failed mid-way (the worker died,
     stalled or ran out of drain time); it continues from the tokens already sent. 0: never."""
     stall_seconds: Annotated[float, Field(ge=0)] = 30.0
-    """A stream that has sent its first token and then nothing for this long moves to another worker (0: never);
-    each such move doubles the request's window, so a worker that is slow, not stopped, does not bounce it."""
+    """A stream that has sent its first token and then nothing for this long moves to another worker (0: never), and so does a moved stream whose next worker sends nothing for twice as long (it computes the context again); each such move doubles the request's window, so a worker that is slow, not stopped, does not bounce it."""
     api_key_secret: SecretKeyRef | None = None
     """Kubernetes: a Secret key holding the gateway's API keys (comma-separated); clients send one as a Bearer token."""
     resources: dict[str, dict[str, int | str]] = Field(default_factory=dict)

@@ -143,60 +143,62 @@ def test_a_seed_gives_the_same_text_in_every_placement_and_company(tmp_path):
 
     up = cluster(tmp_path, "colocated", COLOCATED)
     try:
-        # family 0, cold, 16 at once: 8 on each worker, each beside 7 others (their chunks in the same steps)
-        fam0 = [prompt(n, 0) for n in LENGTHS]
-        company = fam0 + [filler(i) for i in range(16 - len(LENGTHS))]
-        got = asyncio.run(together(up, company))
-        for n, text in zip(LENGTHS, got, strict=False):
-            texts[n, 0]["colocated beside 7"] = text
-        wait_for_pool_writes(up, sum((len(t) + MAX_TOKENS - 1) // 16 for t in company))  # every full block
-        hits_before = decode_metric(up, "splitserve_worker_prefix_hit_tokens_total")
-        # family 0 again, alone on each worker at once (one has it cached, the other loads it)
-        for n, (a, b) in zip(LENGTHS, alone_on_each_worker(up, [(tokens, tokens) for tokens in fam0]), strict=True):
-            texts[n, 0]["colocated alone, again"], texts[n, 0]["colocated alone, on the other worker"] = a, b
-        # the prompts with at least kvPool.minLoadTokens (64) in full blocks are loaded, the others computed
-        assert decode_metric(up, "splitserve_kv_pool_hit_tokens_total") == sum((n - 1) // 16 * 16 for n in LENGTHS
-                                                                               if n > 64)
-        assert decode_metric(up, "splitserve_worker_prefix_hit_tokens_total") > hits_before
-        # family 1, cold, alone on its worker (two lengths at a time, one on each)
-        pairs = alone_on_each_worker(up, [(prompt(n, 1), prompt(m, 1)) for n, m in zip(LENGTHS[::2], LENGTHS[1::2],
-                                                                                       strict=True)])
-        for (n, m), (a, b) in zip(zip(LENGTHS[::2], LENGTHS[1::2], strict=True), pairs, strict=True):
-            texts[n, 1]["colocated alone"], texts[m, 1]["colocated alone"] = a, b
-        # family 2: 8 streams (4 a worker); once each has sent 3 tokens the busier worker stalls and its streams
-        # move to the other, which continues them after computing their output so far
-        stalled = {}
+        with up.explained():
+            # family 0, cold, 16 at once: 8 on each worker, each beside 7 others (their chunks in the same steps)
+            fam0 = [prompt(n, 0) for n in LENGTHS]
+            company = fam0 + [filler(i) for i in range(16 - len(LENGTHS))]
+            got = asyncio.run(together(up, company))
+            for n, text in zip(LENGTHS, got, strict=False):
+                texts[n, 0]["colocated beside 7"] = text
+            wait_for_pool_writes(up, sum((len(t) + MAX_TOKENS - 1) // 16 for t in company))  # every full block
+            hits_before = decode_metric(up, "splitserve_worker_prefix_hit_tokens_total")
+            # family 0 again, alone on each worker at once (one has it cached, the other loads it)
+            for n, (a, b) in zip(LENGTHS, alone_on_each_worker(up, [(tokens, tokens) for tokens in fam0]), strict=True):
+                texts[n, 0]["colocated alone, again"], texts[n, 0]["colocated alone, on the other worker"] = a, b
+            # the prompts with at least kvPool.minLoadTokens (64) in full blocks are loaded, the others computed
+            assert decode_metric(up, "splitserve_kv_pool_hit_tokens_total") == sum((n - 1) // 16 * 16 for n in LENGTHS
+                                                                                   if n > 64)
+            assert decode_metric(up, "splitserve_worker_prefix_hit_tokens_total") > hits_before
+            # family 1, cold, alone on its worker (two lengths at a time, one on each)
+            pairs = alone_on_each_worker(up, [(prompt(n, 1), prompt(m, 1)) for n, m in zip(LENGTHS[::2], LENGTHS[1::2],
+                                                                                           strict=True)])
+            for (n, m), (a, b) in zip(zip(LENGTHS[::2], LENGTHS[1::2], strict=True), pairs, strict=True):
+                texts[n, 1]["colocated alone"], texts[m, 1]["colocated alone"] = a, b
+            # family 2: 8 streams (4 a worker); once each has sent 3 tokens the busier worker stalls and its streams
+            # move to the other, which continues them after computing their output so far
+            stalled = {}
 
-        def stall() -> None:
-            workers = httpx.get(up.url + "/health", timeout=10).json()["workers"]
-            endpoint = max(workers, key=lambda w: w["outstanding"])["endpoint"]
-            stalled.update(next(c for c in up.components["decode"] if c["grpc"] == endpoint))
-            os.kill(stalled["pid"], signal.SIGSTOP)
+            def stall() -> None:
+                workers = httpx.get(up.url + "/health", timeout=10).json()["workers"]
+                endpoint = max(workers, key=lambda w: w["outstanding"])["endpoint"]
+                stalled.update(next(c for c in up.components["decode"] if c["grpc"] == endpoint))
+                os.kill(stalled["pid"], signal.SIGSTOP)
 
-        try:
-            got = asyncio.run(together(up, [prompt(n, 2) for n in LENGTHS] + [filler(20), filler(21)],
-                                       when_all_have=3, then=stall))
-        finally:
-            if stalled:
-                os.kill(stalled["pid"], signal.SIGCONT)
-        for n, text in zip(LENGTHS, got, strict=False):
-            texts[n, 2]["colocated, moved or beside the moved"] = text
-        moved = metric_sum(scrape(up.url), "splitserve_router_migrations_total", reason="stall", outcome="resumed")
-        assert moved >= 3, moved
+            try:
+                got = asyncio.run(together(up, [prompt(n, 2) for n in LENGTHS] + [filler(20), filler(21)],
+                                           when_all_have=3, then=stall))
+            finally:
+                if stalled:
+                    os.kill(stalled["pid"], signal.SIGCONT)
+            for n, text in zip(LENGTHS, got, strict=False):
+                texts[n, 2]["colocated, moved or beside the moved"] = text
+            moved = metric_sum(scrape(up.url), "splitserve_router_migrations_total", reason="stall", outcome="resumed")
+            assert moved >= 3, moved
     finally:
         assert up.stop() == 0
 
     up = cluster(tmp_path, "disaggregated", DISAGGREGATED)
     try:
-        for n in LENGTHS:
-            texts[n, 1]["disaggregated alone"] = alone(up, prompt(n, 1))
-            texts[n, 2]["disaggregated alone"] = alone(up, prompt(n, 2))
-        got = asyncio.run(together(up, fam0 + [filler(3), filler(4)]))
-        for n, text in zip(LENGTHS, got, strict=False):
-            texts[n, 0]["disaggregated beside 7"] = text
-        decode = up.metrics("decode")
-        assert metric_sum(decode, "splitserve_remote_prefill_total", outcome="ok") == 3 * len(LENGTHS) + 2
-        assert metric_sum(decode, "splitserve_local_prefill_total") == 0
+        with up.explained():
+            for n in LENGTHS:
+                texts[n, 1]["disaggregated alone"] = alone(up, prompt(n, 1))
+                texts[n, 2]["disaggregated alone"] = alone(up, prompt(n, 2))
+            got = asyncio.run(together(up, fam0 + [filler(3), filler(4)]))
+            for n, text in zip(LENGTHS, got, strict=False):
+                texts[n, 0]["disaggregated beside 7"] = text
+            decode = up.metrics("decode")
+            assert metric_sum(decode, "splitserve_remote_prefill_total", outcome="ok") == 3 * len(LENGTHS) + 2
+            assert metric_sum(decode, "splitserve_local_prefill_total") == 0
     finally:
         assert up.stop() == 0
 

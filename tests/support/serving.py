@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from splitserve.common.proc import free_port
@@ -66,6 +68,16 @@ class Up:
     def stats(self, role: str, index: int = 0) -> dict:
         with urllib.request.urlopen(self.components[role][index]["metrics"] + "/stats", timeout=10) as r:
             return json.loads(r.read())
+
+    @contextmanager
+    def explained(self, lines: int = 60) -> Iterator[None]:
+        """A failure inside prints the cluster's last warning and error log lines (pytest shows a failed test's
+        output): what its gateway and workers saw, for a failure that only a busy machine brings out."""
+        try:
+            yield
+        except BaseException:
+            print("".join([line for line in self.stderr if re.search(r'"level": "(warning|error)"', line)][-lines:]))
+            raise
 
     def stop(self) -> int:
         """SIGTERM; `up` stops its workers within their drain period (120 s by default) and then Redis. Past that

@@ -157,6 +157,17 @@ def test_a_stall_move_doubles_the_request_s_window():
     assert moved("stall", "resumed") == before + 1 and len(second.calls) == 1
 
 
+def test_a_moved_stream_whose_next_worker_sends_nothing_moves_again():
+    """The worker a stalled stream moved to sends nothing at all (stopped, say): the stream moves on once twice
+    its (doubled) window has passed, instead of waiting for that worker's first token for good."""
+    first, silent, third = Script(fail_after=2, how="stall"), Script(fail_after=0, how="stall"), Script()
+    before = moved("stall", "resumed"), moved("stall", "failed")
+    text, finish, _, _ = asyncio.run(serve([first, silent, third], {}, stallSeconds=0.5))
+    assert (text, finish) == (TEXT, "length")
+    assert len(silent.calls) == 1 and list(silent.calls[0].resume_token_ids)  # it was tried, as a resume
+    assert (moved("stall", "resumed"), moved("stall", "failed")) == (before[0] + 1, before[1] + 1)
+
+
 def test_a_retryable_error_moves_and_a_fatal_one_ends_with_error():
     text, finish, _, _ = asyncio.run(serve([Script(fail_after=2, how="retry"), Script()], {}))
     assert (text, finish) == (TEXT, "length")
