@@ -18,7 +18,14 @@ from splitserve.common.proc import free_ports
 from splitserve.vllm_engine.connectors import connector
 from splitserve.vllm_engine.control import ControlServer
 from splitserve.vllm_engine.engine import VllmEngine, events_socket, model_facts
-from splitserve.vllm_engine.server import VllmPorts, VllmServer, command, disaggregated, environment
+from splitserve.vllm_engine.server import (
+    VllmPorts,
+    VllmServer,
+    command,
+    disaggregated,
+    environment,
+    inline_cores,
+)
 from splitserve.vllm_engine.wire import parse_load
 
 log = logging.getLogger("splitserve.vllm")
@@ -41,7 +48,8 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
         identity = (f"{socket.gethostname()}-{ports.http}.vllm-pool", uuid.uuid4().hex[:16])
         pool_worker = identity[0] if spec.kv_pool.enabled else None
         server = VllmServer(command(spec, role, str(model_dir), ports, pool_identity=identity),
-                            environment(spec, role, ports, side_channel_host), url, spec.vllm.startup_seconds)
+                            environment(spec, role, ports, side_channel_host), url, spec.vllm.startup_seconds,
+                            cores=inline_cores(spec, role))
         server.start()
     else:
         pool_worker = f"{socket.gethostname()}.vllm-pool" if spec.kv_pool.enabled else None

@@ -83,6 +83,29 @@ def process_env(spec: ClusterSpec, role: str, slot: int, slots: int) -> dict[str
     return {"VLLM_CPU_OMP_THREADS_BIND": binding} if binding else None
 
 
+def inline_cores(spec: ClusterSpec, role: str) -> list[int] | None:
+    """The cores of a local vLLM CPU server that runs its model in its engine-core process (vLLM's `uni` executor)
+    rather than in a third process: on CPU, one rank, and this worker's binding (`process_env`) one list of cores.
+    vLLM's CPU mode spawns that process only to bind its OpenMP threads, and the spawn imports vLLM once more
+    (10 of the 28 s a server took to start on 2 cores); the binding is then made here instead: the server's CPU
+    affinity and OMP_NUM_THREADS (`environment`, `VllmServer.start`). None: vLLM's own mode."""
+    if not is_cpu(spec) or spec.model.tensor_parallel_size * spec.role(role).engine.data_parallel_size != 1:
+        return None
+    return parse_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+
+
+def parse_cores(binding: str) -> list[int] | None:
+    """The cores one VLLM_CPU_OMP_THREADS_BIND list names ("0,1", "0-3,8"); None for "", "all", "nobind" or one
+    list per rank ("0|1")."""
+    cores: list[int] = []
+    for part in binding.split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or not (last if dash else first).isdigit():
+            return None
+        cores += range(int(first), int(last if dash else first) + 1)
+    return cores or None
+
+
 def disaggregated(spec: ClusterSpec, role: str) -> bool:
     return role in ("prefill", "decode") and spec.mode == "disaggregated"
 
@@ -135,6 +158,8 @@ def command(spec: ClusterSpec, role: str, model: str, ports: VllmPorts, python: 
     transfer = kv_transfer_config(spec, role, pool_identity, ports.control)
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
+    if inline_cores(spec, role):
+        cmd += ["--distributed-executor-backend", "uni"]
     return cmd + list(spec.vllm.args) + list(spec.role(role).engine.vllm_args)
 
 
@@ -188,6 +213,11 @@ def environment(spec: ClusterSpec, role: str, ports: VllmPorts, side_channel_hos
         size = _kv_size(e.kv_cache_memory) if e.kv_cache_memory != "auto" else 1 << 30
         if isinstance(size, int):
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(size / (1 << 30))))
+        cores = inline_cores(spec, role)
+        if cores:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # lets the CPU platform keep the `uni` executor
+            if "OMP_NUM_THREADS" not in os.environ:
+                env["OMP_NUM_THREADS"] = str(len(cores))
     elif spec.model.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = spec.model.device.split(":", 1)[1]
     if e.batch_invariant:
@@ -219,9 +249,10 @@ class VllmServer:
     stopped with it), gone when this process dies (even by SIGKILL)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], url: str, startup_s: float,
-                 output: IO[str] | None = None) -> None:
+                 output: IO[str] | None = None, cores: list[int] | None = None) -> None:
         self.cmd, self.env, self.url, self.startup_s = cmd, env, url, startup_s
         self.output = output  # where its stdout and stderr go (None: this process's)
+        self.cores = cores  # its CPU affinity (`inline_cores`; None: inherited)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -233,6 +264,8 @@ class VllmServer:
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if relay else self.output,
                                      stderr=subprocess.PIPE if relay else subprocess.STDOUT,
                                      text=True, errors="replace", start_new_session=True)
+        if self.cores:  # the exec shim is still starting: the server's threads, started later, inherit it
+            os.sched_setaffinity(self.proc.pid, self.cores)
         if relay:
             assert self.proc.stdout is not None and self.proc.stderr is not None
             relay_lines(self.proc.stdout, SERVER_LOG, logging.INFO)

@@ -151,3 +151,28 @@ def test_vllm_cpu_servers_on_one_host_get_cores_of_their_own(monkeypatch):
     assert cpu_binding(0, 2, 2) == "0|1"
     monkeypatch.setattr("os.sched_getaffinity", lambda _: {0})
     assert cpu_binding(1, 2, 2) is None  # fewer cores than ranks: vLLM's own binding
+
+
+def test_a_bound_one_rank_cpu_server_runs_its_model_in_its_engine_core_process(monkeypatch):
+    from splitserve.vllm_engine.server import environment, inline_cores, parse_cores
+
+    assert parse_cores("0,1") == [0, 1] and parse_cores("0-2,8") == [0, 1, 2, 8]
+    assert parse_cores("0|1") is parse_cores("all") is parse_cores("") is parse_cores("1-") is None
+    spec = cluster(engine="vllm", model={"device": "cpu"}).spec
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "2,3")
+    cmd = command(spec, "decode", "/m", PORTS)
+    assert dict(zip(cmd, cmd[1:], strict=False))["--distributed-executor-backend"] == "uni"
+    env = environment(spec, "decode", PORTS, "127.0.0.1")
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "2"
+    assert inline_cores(spec, "decode") == [2, 3]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the operator's own thread count wins
+    assert "OMP_NUM_THREADS" not in environment(spec, "decode", PORTS, "127.0.0.1")
+    # a binding per rank, or none: vLLM's own processes
+    for binding in ("2|3", "nobind"):
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", binding)
+        assert "--distributed-executor-backend" not in command(spec, "decode", "/m", PORTS)
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in environment(spec, "decode", PORTS, "127.0.0.1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0,1")
+    tp = cluster(engine="vllm", model={"device": "cpu", "tensorParallelSize": 2}).spec
+    assert inline_cores(tp, "decode") is None
