@@ -337,6 +337,10 @@ def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, p
 
 REBALANCE_COLD_STARTS = (20.0, 150.0)  # s: the engines' cold starts on an H200 (native, vllm; the profile's)
 REBALANCE_POLICIES = ("slo", "slo_warm2", "ray", "wva", "dynamo")  # slo_warm2: warmReplicas 2 (an operator's margin)
+# the bursty trace's goal is the law's GPU-seconds at 95% of feasible requests, against the onset-blind reference's
+# (--bound --rebalance): the law's frontier, its operator's margin (warmReplicas) raised until it crosses 95%
+FRONTIER_POLICIES = ("slo_warm3", "slo_warm4", "slo_warm6", "slo_warm8")
+BOUND_GOAL_FACTOR = 1.05  # the bursty trace's goal: within this x the reference's GPU-seconds at 95%
 GOAL_COST = 1.15  # GPU-seconds x the oracle's the goal allows (Azure conversation, Mooncake, Azure code)
 
 
@@ -371,9 +375,12 @@ def better(ours: dict[str, Any], theirs: dict[str, Any], cost_goal: float | None
 
 
 def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, cold_starts: list[float],
-              policies: list[str], flips: tuple[bool, ...] = (False, True), keep: bool = False) -> dict[str, Any]:
+              policies: list[str], flips: tuple[bool, ...] = (False, True), keep: bool = False,
+              frontier: bool = False) -> dict[str, Any]:
     """Each trace at each cold start, with role flips and without, for the SLO law and the anchors' laws, beside
     the oracle and the best static of results/autoscaling_<trace>.json (neither pays a cold start nor flips).
+    With `frontier`, the bursty trace also runs the law with larger margins (FRONTIER_POLICIES): its goal is where
+    that frontier crosses 95% of feasible requests, against the bound's reference (`rebalance_goals`).
     -> results/autoscaling_rebalance_<trace>.json; a table per trace and a last JSON line with the goals."""
     out: dict[str, Any] = {}
     with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -381,7 +388,8 @@ def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, co
             case = CASES[name]
             base = trace_results(name, duration, "the rebalance runs are priced against its oracle")
             oracle_s, initial = base["policies"]["oracle"]["gpu_seconds"], tuple(base["initial"])
-            tasks = [(p, c, f) for c in cold_starts for f in flips for p in policies]
+            mine = policies + list(FRONTIER_POLICIES) if frontier and name == "bursty" else policies
+            tasks = [(p, c, f) for c in cold_starts for f in flips for p in mine]
             t0 = time.perf_counter()
             runs = list(pool.map(task_rebalance, *zip(*[(case, duration, gpus, p, c, f, initial) for p, c, f in tasks],
                                                       strict=True)))
@@ -391,7 +399,8 @@ def rebalance(names: list[str], duration: float | None, gpus: int, jobs: int, co
                 kept = [r for r in json.loads(path.read_text())["runs"]
                         if (r["policy"], r["cold_start_s"], r["flips"]) not in again]
                 order = {(p, c, f): i for i, (c, f, p) in enumerate(
-                    (c, f, p) for c in cold_starts for f in (False, True) for p in REBALANCE_POLICIES)}
+                    (c, f, p) for c in cold_starts for f in (False, True)
+                    for p in REBALANCE_POLICIES + FRONTIER_POLICIES)}
                 runs = sorted(kept + runs, key=lambda r: order.get((r["policy"], r["cold_start_s"], r["flips"]), 1e9))
             for r in runs:
                 r["gpu_seconds_vs_oracle"] = round(r["gpu_seconds"] / oracle_s, 3)
@@ -415,6 +424,7 @@ def rebalance_goals(results: dict[str, Any]) -> dict[str, Any]:
     goals: dict[str, Any] = {}
     for name, r in results.items():
         cost_goal = None if name == "bursty" else GOAL_COST
+        reference = bound_reference(name)
         for c in r["cold_starts_s"]:
             for f in (False, True):
                 runs = {x["policy"]: x for x in r["runs"] if x["cold_start_s"] == c and x["flips"] == f}
@@ -429,7 +439,20 @@ def rebalance_goals(results: dict[str, Any]) -> dict[str, Any]:
                 if cost_goal is not None:
                     goals[key]["goal_met"] = (ours["feasible_attainment"] >= TARGET
                                               and ours["gpu_seconds_vs_oracle"] <= cost_goal)
+                elif reference is not None:  # the law's margin raised until it crosses 95%, against the reference
+                    law_at = frontier_at([x for p, x in runs.items() if p.startswith("slo")])
+                    ref_at = reference.get(f"{c:g}")
+                    goals[key] |= {"law_at_95": law_at, "reference_at_95": ref_at,
+                                   "goal_met": law_at is not None and ref_at is not None
+                                   and law_at <= BOUND_GOAL_FACTOR * ref_at}
     return goals
+
+
+def bound_reference(name: str) -> dict[str, float | None] | None:
+    """Per cold start, the GPU-s x the oracle where the onset-blind reference (with flips available to it) crosses
+    95% of feasible requests (results/autoscaling_bound_rebalance.json, --bound --rebalance); None if not run."""
+    path = RESULTS / ("autoscaling_bound_rebalance.json" if name == "bursty" else f"autoscaling_bound_rebalance_{name}.json")
+    return json.loads(path.read_text())["best_at_95"] if name == "bursty" and path.exists() else None
 
 
 def print_rebalance(name: str, r: dict[str, Any]) -> None:
@@ -1124,7 +1147,7 @@ def main() -> None:
         if (only or flips != (False, True)) and not args.reuse_baselines:
             ap.error("--rebalance with --only or --flips needs --reuse-baselines (it replaces those runs in the file)")
         rebalance(names, args.duration, args.gpus, args.jobs, cold_starts, only or list(REBALANCE_POLICIES), flips,
-                  keep=args.reuse_baselines)
+                  keep=args.reuse_baselines, frontier=only is None)
         return
     if args.robustness:
         robustness(names, args.duration, args.gpus, args.jobs, only or ["slo"])
