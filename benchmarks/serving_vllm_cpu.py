@@ -92,7 +92,7 @@ class Vllm:
         cleanly)."""
         t0 = time.monotonic()
         tree = snapshot(self.pids())
-        self.server.stop(30.0)
+        self.server.stop()
         elapsed = time.monotonic() - t0
         self.left_behind = kill_leftovers(tree)
         self.log.close()

@@ -25,7 +25,7 @@ from typing import IO
 
 from splitserve.common.config import ClusterSpec, parse_memory
 from splitserve.common.logs import relay_lines
-from splitserve.common.proc import dying_with_me
+from splitserve.common.proc import leading_group
 from splitserve.vllm_engine.connectors import connector
 from splitserve.vllm_engine.in_vllm.pool_plan import EXTRA_KEY as POOL_EXTRA_KEY
 from splitserve.vllm_engine.in_vllm.pool_plan import REDIS_URL_ENV
@@ -245,27 +245,29 @@ def environment(spec: ClusterSpec, role: str, ports: VllmPorts, side_channel_hos
 
 
 class VllmServer:
-    """A vLLM server as this worker's child: started in its own process group (its engine core processes are
-    stopped with it), gone when this process dies (even by SIGKILL)."""
+    """A vLLM server as this worker's child, in a process group of its own led by a small shim
+    (`leading_group`): its engine core processes are stopped with it, and when this process dies (even by
+    SIGKILL) the whole group gets SIGTERM, then SIGKILL after `stop_grace_s` (a server still loading its model
+    does not stop on SIGTERM)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], url: str, startup_s: float,
-                 output: IO[str] | None = None, cores: list[int] | None = None) -> None:
+                 output: IO[str] | None = None, cores: list[int] | None = None, stop_grace_s: float = 30.0) -> None:
         self.cmd, self.env, self.url, self.startup_s = cmd, env, url, startup_s
         self.output = output  # where its stdout and stderr go (None: this process's)
         self.cores = cores  # its CPU affinity (`inline_cores`; None: inherited)
-        self.proc: subprocess.Popen | None = None
+        self.stop_grace_s = stop_grace_s
+        self.proc: subprocess.Popen | None = None  # the shim that leads the server's process group
 
     def start(self) -> None:
         """Start the server. Without `output`, its lines become this process's JSON log lines (logger
         `splitserve.vllm`, at the level each line names; unlabelled lines: info from stdout, warning from stderr)."""
         log.info("starting vLLM: %s", " ".join(self.cmd))
         relay = self.output is None
-        self.proc = subprocess.Popen(dying_with_me(self.cmd), env={**os.environ, **self.env},
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if relay else self.output,
+        self.proc = subprocess.Popen(leading_group(self.cmd, self.stop_grace_s, self.cores),
+                                     env={**os.environ, **self.env}, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE if relay else self.output,
                                      stderr=subprocess.PIPE if relay else subprocess.STDOUT,
                                      text=True, errors="replace", start_new_session=True)
-        if self.cores:  # the exec shim is still starting: the server's threads, started later, inherit it
-            os.sched_setaffinity(self.proc.pid, self.cores)
         if relay:
             assert self.proc.stdout is not None and self.proc.stderr is not None
             relay_lines(self.proc.stdout, SERVER_LOG, logging.INFO)
@@ -296,11 +298,11 @@ class VllmServer:
                                      f"{self.startup_s:.0f} s (vllm.startupSeconds)")
             time.sleep(0.5)
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `grace_s`; then remove the files it left for us
-        (UCX's transport tables)."""
+    def stop(self) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `stop_grace_s`; then remove the files it left for
+        us (UCX's transport tables)."""
         try:
-            self._stop(grace_s)
+            self._stop(self.stop_grace_s)
         finally:
             if self.env.get(UCX_LOG_DIR_ENV):
                 shutil.rmtree(self.env[UCX_LOG_DIR_ENV], ignore_errors=True)
@@ -310,9 +312,9 @@ class VllmServer:
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=grace_s)
+            self.proc.wait(timeout=grace_s + 10)  # the shim kills what is left of the group after grace_s itself
         except subprocess.TimeoutExpired:
-            log.warning("vLLM server did not stop within %.0f s: killing it", grace_s)
+            log.warning("vLLM server did not stop within %.0f s: killing it", grace_s + 10)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
         except ProcessLookupError:

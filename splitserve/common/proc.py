@@ -75,6 +75,18 @@ def dying_with_me(cmd: list[str]) -> list[str]:
     return [*python_module("splitserve.common.proc"), "--die-with", str(os.getpid()), "--", *cmd]
 
 
+def leading_group(cmd: list[str], grace_s: float, cores: list[int] | None = None) -> list[str]:
+    """`cmd` behind a shim that stays to lead its process group, for a program that owns a tree of processes and
+    may not stop on SIGTERM while it starts (a vLLM server: its engine cores, its model load). Start the result
+    as its own session (`start_new_session=True`). The shim (`python -m splitserve.common.proc --group`) runs `cmd`
+    as its child in its group, pinned to `cores` if given, and exits with its exit status. When this process
+    dies (even by SIGKILL) or the shim is sent SIGTERM, the whole group gets SIGTERM, and whatever of it is left
+    after `grace_s` seconds gets SIGKILL."""
+    pinned = ["--cores", ",".join(map(str, cores))] if cores else []
+    return [*python_module("splitserve.common.proc"), "--die-with", str(os.getpid()), "--group", f"{grace_s:g}",
+            *pinned, "--", *cmd]
+
+
 def die_with_parent_unless_detached() -> bool:
     """For a command that owns a tree of processes (`splitserve up`): SIGTERM when whatever started it dies
     (a killed test run, script or terminal leaves nothing behind), except when it was started detached on
@@ -154,12 +166,56 @@ class JsonLinesChild:
                          f"last stderr lines:\n{tail}")
 
 
+_USAGE = "usage: python -m splitserve.common.proc --die-with PID [--group GRACE_S [--cores N,N]] -- CMD [ARGS...]"
+
+
 def _exec_main(argv: list[str]) -> None:
-    """`python -m splitserve.common.proc --die-with PID -- CMD...`: the child half of `dying_with_me`."""
-    if len(argv) < 4 or argv[0] != "--die-with" or argv[2] != "--":
-        raise SystemExit("usage: python -m splitserve.common.proc --die-with PID -- CMD [ARGS...]")
-    die_with(int(argv[1]))
-    os.execvp(argv[3], argv[3:])
+    """`python -m splitserve.common.proc --die-with PID [--group GRACE_S [--cores N,...]] -- CMD...`: the child
+    half of `dying_with_me` (exec CMD) or of `leading_group` (run CMD in this process's group)."""
+    if "--" not in argv or len(argv) < 4 or argv[0] != "--die-with":
+        raise SystemExit(_USAGE)
+    at = argv.index("--")
+    opts, cmd = argv[2:at], argv[at + 1:]
+    if not cmd or (opts and (opts[0] != "--group" or len(opts) not in (2, 4) or (len(opts) == 4 and opts[2] != "--cores"))):
+        raise SystemExit(_USAGE)
+    if not opts:
+        die_with(int(argv[1]))
+        os.execvp(cmd[0], cmd)
+    cores = [int(c) for c in opts[3].split(",")] if len(opts) == 4 else None
+    raise SystemExit(_lead_group(int(argv[1]), cmd, float(opts[1]), cores))
+
+
+def _lead_group(parent_pid: int, cmd: list[str], grace_s: float, cores: list[int] | None) -> int:
+    """Run `cmd` as a child in this process's group; on SIGTERM (sent to the group by its owner, or this shim's
+    parent-death signal) stop the group: SIGTERM, then SIGKILL after `grace_s`. Returns `cmd`'s exit status (a
+    signal's as 128 + its number, as a shell does)."""
+    if os.getpgid(0) != os.getpid():
+        raise SystemExit("--group: start this shim as its own session or process group (start_new_session=True)")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before the parent-death signal is armed
+    die_with(parent_pid)
+    if cores:
+        os.sched_setaffinity(0, cores)  # the child and every thread and process it starts inherit it
+    child = subprocess.Popen(cmd)
+    while child.poll() is None and not stop.wait(0.2):
+        pass
+    if child.poll() is None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)  # the child's own children too (the owner's SIGTERM may not have reached them)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(grace_s)
+    _kill_group_but_me()  # anything left: a child that ignored SIGTERM, or its children once it exited
+    code = child.wait()
+    return code if code >= 0 else 128 - code
+
+
+def _kill_group_but_me() -> None:
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) == me:
+                    os.kill(int(entry), signal.SIGKILL)
 
 
 if __name__ == "__main__":

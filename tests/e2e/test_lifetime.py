@@ -172,3 +172,78 @@ def test_ctrl_c_waits_for_the_drain_and_says_a_second_one_stops_now():
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
+
+
+# a stand-in for a vLLM server that is loading its model: it ignores SIGTERM, as does the engine-core process it
+# started, and writes both pids to the file it is given
+LOADING_SERVER = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    core = subprocess.Popen([sys.executable, "-c",
+                             "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    with open(sys.argv[1], "w") as f:
+        f.write(f"{__import__('os').getpid()} {core.pid}")
+    time.sleep(600)
+""")
+
+
+def server_pids(path: Path, timeout: float = 30) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().count(" ") == 1):
+        assert time.monotonic() < deadline, "the stand-in server never started"
+        time.sleep(0.05)
+    return [int(p) for p in path.read_text().split()]
+
+
+def test_a_vllm_server_still_loading_dies_with_its_worker_on_sigkill(tmp_path):
+    """The worker (here a process with threads, as a worker is) is killed with SIGKILL while its vLLM server
+    ignores SIGTERM: the server and its engine-core process are gone within the server's stop grace."""
+    pids = tmp_path / "pids"
+    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, threading, time
+        from splitserve.vllm_engine.server import VllmServer
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        VllmServer([sys.executable, "-c", {LOADING_SERVER!r}, {str(pids)!r}], {{}}, "http://127.0.0.1:1",
+                   startup_s=600, stop_grace_s=2).start()
+        time.sleep(600)
+    """)])
+    try:
+        server, core = server_pids(pids)
+        assert alive(server) and alive(core)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(10)
+        assert wait_gone([server, core], 2 + 15) == []
+    finally:
+        worker.kill()
+
+
+def test_stopping_a_vllm_server_stops_what_ignores_sigterm_and_its_exit_status_is_the_servers(tmp_path):
+    from splitserve.vllm_engine.server import VllmServer
+
+    pids = tmp_path / "pids"
+    server = VllmServer([sys.executable, "-c", LOADING_SERVER, str(pids)], {}, "http://127.0.0.1:1", startup_s=600,
+                        stop_grace_s=1)
+    server.start()
+    pids_now = server_pids(pids)
+    t0 = time.monotonic()
+    server.stop()
+    assert time.monotonic() - t0 < 10
+    assert wait_gone(pids_now, 5) == []
+    assert server.exited == 128 + signal.SIGKILL  # it ignored SIGTERM: killed after the grace
+
+    failing = VllmServer([sys.executable, "-c", "import sys; sys.exit(3)"], {}, "http://127.0.0.1:1", startup_s=600)
+    failing.start()
+    assert failing.proc is not None and failing.proc.wait(30) == 3  # as the worker reports a start failure
+
+
+def test_a_pinned_vllm_server_runs_on_its_cores(tmp_path):
+    from splitserve.vllm_engine.server import VllmServer
+
+    core = min(os.sched_getaffinity(0))
+    out = tmp_path / "out"
+    with out.open("w") as f:
+        server = VllmServer([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], {},
+                            "http://127.0.0.1:1", startup_s=600, output=f, cores=[core])
+        server.start()
+        assert server.proc is not None and server.proc.wait(30) == 0
+    assert out.read_text().strip() == f"[{core}]"
