@@ -153,13 +153,14 @@ def calibrate_cpu(resource: ClusterResource, out: Path, reps: int = 3) -> dict[s
 
     from splitserve.autoscaler.profile import ReplicaProfile
     from splitserve.autoscaler.sim.calibrate import StepPoint, fit_errors, fit_points, kv_case
+    from splitserve.common.proc import usable_cores
     from splitserve.common.sampling import SamplingParams
     from splitserve.engine.config import engine_config
     from splitserve.engine.llm_engine import LLMEngine
     from splitserve.engine.model_files import prepare_model
 
     spec = resource.spec
-    threads = spec.decode.engine.threads or max(1, (os.cpu_count() or 1) // 2)  # `up`: cores / workers
+    threads = spec.decode.engine.threads or max(1, usable_cores() // 2)  # `up`: cores / workers
     torch.set_num_threads(threads)
     prepare_model(spec.model.name)
     t0 = time.perf_counter()

@@ -152,7 +152,8 @@ class EngineSpec(Spec):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """fcfs, or priority (the request's `priority`, lower first)."""
     threads: Count = 0
-    """CPU threads for the model's math (0: the library's default)."""
+    """CPU threads for the model's math (0: under `splitserve up` and `serve-ray` on a CPU, the cores this process
+    may use (its affinity) shared among the workers; elsewhere the library's default)."""
     seed: int = 0
     """Seed of requests sampled without their own seed."""
     batch_invariant: bool = False

@@ -32,6 +32,14 @@ def splitserve_command() -> list[str]:
     return [script] if os.access(script, os.X_OK) else python_module("splitserve.cli")
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity: a container's cpuset, `taskset`, a CI runner's share),
+    which the machine's count (`os.cpu_count`) overstates where any of those applies."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -27,6 +27,7 @@ from splitserve.autoscaler.law import ROLES, ScalingDecision
 from splitserve.autoscaler.observer import Observer
 from splitserve.common.config import ClusterResource, ClusterSpec
 from splitserve.common.model_files import ModelNotFoundError, resolve_model
+from splitserve.common.proc import usable_cores
 from splitserve.hosts.common import flip_candidates, flip_workers
 
 log = logging.getLogger("splitserve.autoscaler.local")
@@ -48,7 +49,7 @@ class Machine:
 
     @classmethod
     def here(cls) -> Machine:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         try:
             with open("/proc/meminfo") as f:  # MemAvailable counts reclaimable page cache, as the kernel does

@@ -23,7 +23,7 @@ from pathlib import Path
 from splitserve.common import engines
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import dump
-from splitserve.common.proc import dying_with_me, free_port, splitserve_command
+from splitserve.common.proc import dying_with_me, free_port, splitserve_command, usable_cores
 from splitserve.hosts.common import (
     READY_TIMEOUT_S,
     gateway_all_healthy,
@@ -76,7 +76,7 @@ class Launcher:
         planned = [(name, role, self.free_port(), self.free_port()) for name, role in workers]
         spec.membership.prefill = [f"{self.host}:{p}" for _, role, p, _ in planned if role == "prefill"]
         spec.membership.decode = [f"{self.host}:{p}" for _, role, p, _ in planned if role != "prefill"]
-        threads = max(1, (os.cpu_count() or 1) // len(planned))
+        threads = max(1, usable_cores() // len(planned))
         for name, role in (("prefill", spec.prefill), ("decode", spec.decode)):
             if not role.engine.threads and engines.get(spec.engine_of(name)).takes_threads:  # else its own
                 role.engine.threads = threads

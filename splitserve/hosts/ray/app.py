@@ -31,7 +31,7 @@ from ray import serve
 from splitserve.common import engines
 from splitserve.common.config import ClusterResource
 from splitserve.common.config_file import dump, parse_resource
-from splitserve.common.proc import free_port, free_ports
+from splitserve.common.proc import free_port, free_ports, usable_cores
 from splitserve.hosts.common import (
     READY_TIMEOUT_S,
     gateway_all_healthy,
@@ -220,7 +220,7 @@ class Worker:
 
             assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
             workers = sum(spec.role(p).replicas for p in spec.pools())
-            engine.threads = int(assigned) or max(1, (os.cpu_count() or 1) // workers)
+            engine.threads = int(assigned) or max(1, usable_cores() // workers)
         self.name = f"{pool}-{serve.get_replica_context().replica_id.unique_id}"
         self._dir = tempfile.TemporaryDirectory(prefix="splitserve-ray-")
         config = Path(self._dir.name) / "cluster.yaml"

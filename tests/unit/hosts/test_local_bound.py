@@ -63,3 +63,33 @@ def test_the_launcher_s_law_gets_the_bound_as_its_budget_and_says_so(caplog):
     # the law then never asks for more than that, however much load it sees
     p, d, notes = clamp(1, 8, Bounds.from_spec(launcher.resource.spec))
     assert (p, d) == (1, 2) and notes
+
+
+def test_up_shares_the_cores_this_process_may_use_not_the_machine_s():
+    """A process pinned to one core (a container's cpuset, taskset) gives its one worker one engine thread; the
+    same plan unpinned gives it every core it may use."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[3] / EXAMPLE
+
+    def threads(pin: bool) -> int:
+        script = textwrap.dedent(f"""
+            import os
+            if {pin}:
+                os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
+            from splitserve.common.config_file import load
+            from splitserve.hosts.local.launcher import Launcher
+            launcher = Launcher(load({str(example)!r}, {{"mode": "colocated"}}), "127.0.0.1")
+            launcher.plan()
+            print(launcher.resource.spec.decode.engine.threads)
+        """)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+
+    assert threads(pin=True) == 1
+    assert threads(pin=False) == len(os.sched_getaffinity(0))
