@@ -17,7 +17,8 @@ a generated bursty, prefill-heavy one (autoscaler/sim/bursty.py, seed 0), in the
                 and without, for the SLO law and Ray's, WVA's and Dynamo's, beside the oracle and the best static
                 -> results/autoscaling_rebalance_<trace>.json (a table per trace, the goals in the last JSON line)
   --bound --rebalance  the bursty trace's onset-blind reference at each --cold-starts: as it was, with the
-                actuator's flips, and planning its split a flip ahead -> results/autoscaling_bound_rebalance.json
+                actuator's flips, and planning its split a flip ahead (--bound-window: its plan windows, 10 s)
+                -> results/autoscaling_bound_rebalance.json (other windows: _w<s>.json)
   --robustness  each --only law (default slo) under five other seeds, a profile 20% off either way and cold
                 starts of 30 s and 120 s -> results/autoscaling_robustness.{md,json} (JSON lines, the summary last)
   --bound       the bursty trace (or each --traces trace, its clumps standing for bursts) against references that
@@ -451,7 +452,7 @@ def rebalance_goals(results: dict[str, Any]) -> dict[str, Any]:
 def bound_reference(name: str) -> dict[str, float | None] | None:
     """Per cold start, the GPU-s x the oracle where the onset-blind reference (with flips available to it) crosses
     95% of feasible requests (results/autoscaling_bound_rebalance.json, --bound --rebalance); None if not run."""
-    path = RESULTS / ("autoscaling_bound_rebalance.json" if name == "bursty" else f"autoscaling_bound_rebalance_{name}.json")
+    path = bound_rebalance_path(name)
     return json.loads(path.read_text())["best_at_95"] if name == "bursty" and path.exists() else None
 
 
@@ -481,6 +482,7 @@ BOUND_REBALANCE_MARGINS = BOUND_MARGINS + ((12, 6), (14, 7), (16, 8))  # 150-s s
 # s: how far ahead a reference planning flips knows the split: a control interval, within which a law sees a burst
 # and a flip lands (a worker's drain and flipSeconds)
 BOUND_FLIP_LEAD_S = 15.0
+BOUND_REBALANCE_WINDOW_S = 10.0  # s, --bound --rebalance's plan windows (see `bound_rebalance`)
 
 
 def bound_path(name: str) -> Path:
@@ -512,38 +514,39 @@ def burst_onsets(case: TraceCase, duration: float | None, gpus: int):
     return exp, [onset(r.arrival) for r in exp.requests]
 
 
-def burst_known(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None) -> list:
+def burst_known(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None,
+                window_s: float = BOUND_WINDOW_S) -> list:
     """Window k's requests that a reference planning it knows of: all of them (`lead_s` None), or those of the
     base stream and of the bursts that began at least `lead_s` before the window ends (math.inf: the base
     stream's alone)."""
     exp, onsets = burst_onsets(case, duration, gpus)
-    start, end = k * BOUND_WINDOW_S, (k + 1) * BOUND_WINDOW_S
+    start, end = k * window_s, (k + 1) * window_s
     return [r for r, onset in zip(exp.requests, onsets, strict=True) if start <= r.arrival < end
             and (lead_s is None or onset is None or onset <= end - lead_s)]
 
 
-def task_bound_window(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None) -> list[int]:
+def task_bound_window(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None,
+                      window_s: float = BOUND_WINDOW_S) -> list[int]:
     """The cheapest static (P, D) for what the reference knows of window k (replayed alone, as the oracle's)."""
     from splitserve.autoscaler.sim.oracle import cheapest_static, shifted
 
     exp, _ = burst_onsets(case, duration, gpus)
-    known = burst_known(case, duration, gpus, k, lead_s)
+    known = burst_known(case, duration, gpus, k, lead_s, window_s)
     if not known:
         return [0, 0]
-    c = cheapest_static(shifted(known, k * BOUND_WINDOW_S), settings_of(exp), BOUND_WINDOW_S, TARGET,
-                        exp.max_replicas, gpus)
+    c = cheapest_static(shifted(known, k * window_s), settings_of(exp), window_s, TARGET, exp.max_replicas, gpus)
     return [c.prefill, c.decode]
 
 
 def task_bound_run(case: TraceCase, duration: float | None, gpus: int, plans: list[list[int]],
                    margin: tuple[int, int], cold_start_s: float, flips: bool = False,
-                   split_plans: list[list[int]] | None = None) -> dict[str, Any]:
+                   split_plans: list[list[int]] | None = None, window_s: float = BOUND_WINDOW_S) -> dict[str, Any]:
     from splitserve.autoscaler.sim.laws import ForesightLaw
     from splitserve.autoscaler.sim.report import summary
     from splitserve.autoscaler.sim.simulator import simulate
 
     exp = experiment(case, duration, gpus, cold_start_s=cold_start_s, flips=flips)
-    law = ForesightLaw([(p, d) for p, d in plans], BOUND_WINDOW_S, cold_start_s, margin,
+    law = ForesightLaw([(p, d) for p, d in plans], window_s, cold_start_s, margin,
                        interval_s=exp.spec.autoscaling.interval_seconds,
                        split_plans=None if split_plans is None else [(p, d) for p, d in split_plans],
                        split_lead_s=BOUND_FLIP_LEAD_S)
@@ -638,30 +641,41 @@ def frontier_at(rows: list[dict[str, Any]], target: float = TARGET) -> float | N
     return frontier[0][0] if frontier and frontier[0][1] >= target else None
 
 
+def bound_rebalance_path(name: str, window_s: float = BOUND_REBALANCE_WINDOW_S) -> Path:
+    trace = "" if name == "bursty" else f"_{name}"
+    window = "" if window_s == BOUND_REBALANCE_WINDOW_S else f"_w{window_s:g}"
+    return RESULTS / f"autoscaling_bound_rebalance{trace}{window}.json"
+
+
 def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, cold_starts: list[float],
-                    reuse: bool) -> dict[str, Any]:
+                    reuse: bool, window_s: float = BOUND_REBALANCE_WINDOW_S) -> dict[str, Any]:
     """The bound's onset-blind reference at each cold start C, three ways: as before (starts and stops); with
     the actuator's flips between its targets; and planning with flips (the total known C ahead, as before, the
     split BOUND_FLIP_LEAD_S ahead, reached by flips). Each over BOUND_REBALANCE_MARGINS; per C, where the best of
     the three crosses 95% of feasible requests (the goal's reference cost).
-    -> results/autoscaling_bound_rebalance.json (bursty), results/autoscaling_bound_rebalance_<trace>.json"""
+
+    Its plan windows are `window_s` long. A window's plan counts the bursts that began a cold start before the
+    window ends, and its replicas are asked for a cold start before it begins: so the reference may provision
+    for a burst up to one window before the burst begins. With 30-s windows and 20-s cold starts that is a third
+    of the bursts seen before they begin; 10-s windows (the default) keep the reference's head start under 10 s,
+    still at least what a law knows (a law deciding at t knows the bursts begun by t).
+    -> results/autoscaling_bound_rebalance[_<trace>][_w<window>].json"""
     case = CASES[name]
     base = trace_results(name, duration, "the bound is priced against its oracle")
     oracle_s = base["policies"]["oracle"]["gpu_seconds"]
     exp, onsets = burst_onsets(case, duration, gpus)
-    n = math.floor(exp.requests[-1].arrival / BOUND_WINDOW_S) + 1
-    path = RESULTS / ("autoscaling_bound_rebalance.json" if name == "bursty" else f"autoscaling_bound_rebalance_{name}.json")
+    n = math.floor(exp.requests[-1].arrival / window_s) + 1
+    path = bound_rebalance_path(name, window_s)
     kept: dict[str, Any] = {}
     for old in (bound_path(name), path):  # plans depend on what is known, not on the cold start simulated
         prev = json.loads(old.read_text()) if reuse and old.exists() else None
-        if prev and (prev["duration_s"], prev["window_s"]) == (duration, BOUND_WINDOW_S):
+        if prev and (prev["duration_s"], prev["window_s"]) == (duration, window_s):
             kept |= prev["plans"]
     known = {f"onset-blind@{c:g}": c for c in (*cold_starts, BOUND_FLIP_LEAD_S)}
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        plans = {ref: kept.get(ref) or list(pool.map(task_bound_window, *zip(*[(case, duration, gpus, k, lead)
-                                                                               for k in range(n)], strict=True)))
-                 for ref, lead in known.items()}
+        plans = {ref: kept.get(ref) or list(pool.map(task_bound_window, *zip(
+            *[(case, duration, gpus, k, lead, window_s) for k in range(n)], strict=True))) for ref, lead in known.items()}
         split = plans[f"onset-blind@{BOUND_FLIP_LEAD_S:g}"]
         tasks = []
         for c in cold_starts:
@@ -669,8 +683,8 @@ def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, col
             for label, flips, sp in ((ref, False, None), (f"{ref}, flips", True, None),
                                      (f"{ref}, planned flips", True, split)):
                 tasks += [(label, c, m, flips, sp) for m in BOUND_REBALANCE_MARGINS]
-        runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[f"onset-blind@{c:g}"], m, c, f, sp)
-                                                    for _, c, m, f, sp in tasks], strict=True)))
+        runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[f"onset-blind@{c:g}"], m, c, f, sp,
+                                                     window_s) for _, c, m, f, sp in tasks], strict=True)))
     rows = [{"reference": label, "cold_start_s": c, "margin": list(m), "flips": f,
              "slo_attainment": r["slo_attainment"], "feasible_attainment": r["feasible_attainment"],
              "gpu_seconds": r["gpu_seconds"], "gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3),
@@ -681,7 +695,7 @@ def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, col
     best = {f"{c:g}": min((v for k, v in crossing.items() if k.startswith(f"onset-blind@{c:g}") and v is not None),
                           default=None) for c in cold_starts}
     out = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
-           "window_s": BOUND_WINDOW_S, "flip_lead_s": BOUND_FLIP_LEAD_S, "oracle_gpu_seconds": oracle_s,
+           "window_s": window_s, "flip_lead_s": BOUND_FLIP_LEAD_S, "oracle_gpu_seconds": oracle_s,
            "plans": plans, "runs": rows, "crossing_95": crossing, "best_at_95": best,
            "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
     path.write_text(json.dumps(out, indent=1) + "\n")
@@ -1105,6 +1119,8 @@ def main() -> None:
                     help="--rebalance: run with role flips, without, or both")
     ap.add_argument("--cold-starts", default=",".join(f"{c:g}" for c in REBALANCE_COLD_STARTS),
                     help="--rebalance, --bound: cold starts (s) to run, comma-separated")
+    ap.add_argument("--bound-window", type=float, default=BOUND_REBALANCE_WINDOW_S,
+                    help="--bound --rebalance: the references' plan windows, s")
     ap.add_argument("--reuse-baselines", action="store_true",
                     help="keep the oracle and best static of results/autoscaling_<trace>.json when its setup matches")
     args = ap.parse_args()
@@ -1135,7 +1151,8 @@ def main() -> None:
     if args.bound:
         for name in names if args.traces != ap.get_default("traces") else ["bursty"]:
             if args.rebalance:
-                bound_rebalance(name, args.duration, args.gpus, args.jobs, cold_starts, args.reuse_baselines)
+                bound_rebalance(name, args.duration, args.gpus, args.jobs, cold_starts, args.reuse_baselines,
+                                args.bound_window)
             else:
                 bound(name, args.duration, args.gpus, args.jobs, args.reuse_baselines)
         return
