@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 pytest.importorskip("vllm")
-from support.procs import LOOPBACK, Announcing, alive, cmdline, descendants, listeners, reap  # noqa: E402
+from support.procs import LOOPBACK, Announcing, alive, cmdline, descendants, listeners, module_of, reap  # noqa: E402
 
 from splitserve.common.proc import free_ports  # noqa: E402
 
@@ -66,7 +66,7 @@ def test_serve_ray_on_an_existing_cluster_with_vllm_workers() -> None:
         seen = descendants(head.pid)
         workers = health(url)["workers"]
         assert [(w["role"], w["engine"], w["healthy"]) for w in workers] == [("both", "vllm", True)], workers
-        servers = [p for p in seen if "vllm.entrypoints.openai.api_server" in cmdline(p)]
+        servers = [p for p in seen if module_of(p) == "vllm.entrypoints.openai.api_server"]
         assert len(servers) == 1, [cmdline(p) for p in seen]
         for pid, addr, what in listeners(seen | descendants(serve_ray.proc.pid)):
             assert addr in LOOPBACK or (RAY_REPLICA_GRPC in what and addr.strip("0") == ""), (pid, addr, what)

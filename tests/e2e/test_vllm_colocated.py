@@ -96,7 +96,7 @@ def test_a_stream_whose_vllm_server_dies_moves_to_the_other_worker(colo):
     def kill() -> None:
         busy = max(health(colo)["workers"], key=lambda w: w["outstanding"])
         worker = next(c for c in colo.components["decode"] if c["grpc"] == busy["endpoint"])
-        os.killpg(vllm_server_of(worker["pid"])[0], signal.SIGKILL)  # the server and its engine processes
+        os.killpg(os.getpgid(vllm_server_of(worker["pid"])[0]), signal.SIGKILL)  # the server, its engine processes
 
     moved = stream_text(colo, body, then=kill)
     assert moved == undisturbed and moved[1] == "length"

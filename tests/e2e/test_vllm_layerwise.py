@@ -170,7 +170,7 @@ def concurrently(up: Up, n: int, during, max_tokens: int = 16, repeat: int = 1) 
 def kill(up: Up, role: str, index: int) -> dict[str, str]:
     """SIGKILL a worker and its vLLM server (all of its processes); the server's environment, for its restart."""
     pid, _, env = server(up, role, index)
-    os.killpg(pid, signal.SIGKILL)
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
     os.kill(up.components[role][index]["pid"], signal.SIGKILL)
     return env
 

@@ -134,7 +134,7 @@ def test_a_killed_vllm_prefill_server_costs_no_request(pd):
         async with aio:
             tasks = [asyncio.ensure_future(one(i)) for i in range(4)]
             await asyncio.sleep(0.5)
-            os.killpg(pid, signal.SIGKILL)  # the server and its engine processes
+            os.killpg(os.getpgid(pid), signal.SIGKILL)  # the server, its engine processes and its shim
             tasks += [asyncio.ensure_future(one(i)) for i in range(4, 8)]
             return await asyncio.gather(*tasks)
 

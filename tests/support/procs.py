@@ -14,16 +14,22 @@ from pathlib import Path
 LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
 
 
+def children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return out
+
+
 def descendants(pid: int) -> set[int]:
     out, todo = set(), [pid]
     while todo:
         p = todo.pop()
         out.add(p)
-        for task in Path(f"/proc/{p}/task").glob("*") if Path(f"/proc/{p}").exists() else []:
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
+        todo += children(p)
     return out
 
 
@@ -32,6 +38,16 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def module_of(pid: int) -> str | None:
+    """The module a Python process runs (`python [-P] -m MODULE ...`); None for any other process. A vLLM server's
+    shim (`python -m splitserve.common.proc ... -- python -m vllm...`) runs splitserve.common.proc, not vLLM."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return args[args.index("-m") + 1] if "-m" in args[:-1] else None
 
 
 def alive(pid: int) -> bool:

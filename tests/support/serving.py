@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from splitserve.common.proc import free_port
+from support.procs import children, module_of
 
 
 class Up:
@@ -118,13 +119,13 @@ def metric_sum(metrics: dict[str, float], name: str, **labels: str) -> float:
 
 
 def vllm_server_of(worker_pid: int) -> tuple[int, list[str]]:
-    """The vLLM server a worker (engine vllm) started: (its pid, its command line)."""
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            args = (proc / "cmdline").read_bytes().decode().split("\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == worker_pid and "vllm.entrypoints.openai.api_server" in args:
-            return int(proc.name), args
+    """The vLLM server a worker (engine vllm) started: (its pid, its command line). It runs under a shim, the
+    worker's child, that leads its process group: `os.killpg(os.getpgid(pid), ...)` reaches the server, its
+    engine-core processes and the shim."""
+    shims = {p for p in children(worker_pid) if module_of(p) == "splitserve.common.proc"}
+    for shim in shims:
+        for pid in children(shim):
+            if module_of(pid) == "vllm.entrypoints.openai.api_server":
+                return pid, Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
     raise AssertionError(f"worker {worker_pid} has no vLLM server")
+
