@@ -52,7 +52,8 @@ from harness import replay_at_rate as bench
 
 
 def vllm_server_url(worker_pid: int) -> str | None:
-    """The HTTP URL of the vLLM server a worker started (its child's --port)."""
+    """The HTTP URL of the vLLM server a worker started (the --port of its child, the shim that runs the server
+    with the server's command line after its own)."""
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
