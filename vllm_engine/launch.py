@@ -20,6 +20,7 @@ from splitserve.vllm_engine.control import ControlServer
 from splitserve.vllm_engine.engine import VllmEngine, events_socket, model_facts
 from splitserve.vllm_engine.server import (
     VllmPorts,
+    VllmPortTaken,
     VllmServer,
     command,
     disaggregated,
@@ -31,10 +32,28 @@ from splitserve.vllm_engine.wire import parse_load
 log = logging.getLogger("splitserve.vllm")
 
 
+# a port picked free is free only until the server binds it, seconds later; another process's connection or
+# listener can take it meanwhile (seen under two test processes' clusters starting at once): start again on others
+PORT_ATTEMPTS = 3
+
+
 async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_url: str | None = None,
                  stop: asyncio.Event | None = None) -> VllmEngine:
     """Start this worker's vLLM server (or attach to the one beside it at `attach_url`), wait until it is
-    healthy, and return the engine over it, started."""
+    healthy, and return the engine over it, started. A server that could not bind a port picked for it is
+    started again on other ports, up to PORT_ATTEMPTS times."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return await _launch(spec, role, side_channel_host, attach_url, stop)
+        except VllmPortTaken as e:
+            if attach_url is not None or attempt == PORT_ATTEMPTS:
+                raise
+            log.warning("%s; starting it again on other ports (attempt %d of %d)", e, attempt + 1, PORT_ATTEMPTS)
+    raise AssertionError("unreachable")
+
+
+async def _launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_url: str | None,
+                  stop: asyncio.Event | None) -> VllmEngine:
     model_dir = resolve_model(spec.model.name, need_weights=spec.model.load_format != "dummy")
     server = None
     events = None

@@ -16,9 +16,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -39,6 +41,14 @@ EVENTS_TOPIC = "kv-events"
 
 class VllmStartError(RuntimeError):
     """The vLLM server did not come up (exited, or not healthy in time); the message says which."""
+
+
+class VllmPortTaken(VllmStartError):
+    """The vLLM server exited because a port picked free for it was taken before it bound it (by another
+    process's connection or listener): worth starting again on other ports."""
+
+
+PORT_TAKEN = "Address already in use"  # the server's last words when a bind fails (EADDRINUSE)
 
 
 @dataclass(frozen=True)
@@ -257,6 +267,8 @@ class VllmServer:
         self.cores = cores  # its CPU affinity (`inline_cores`; None: inherited)
         self.stop_grace_s = stop_grace_s
         self.proc: subprocess.Popen | None = None  # the shim that leads the server's process group
+        self.last_lines: deque[str] = deque(maxlen=50)  # its output's last lines (when relayed)
+        self._relays: list[threading.Thread] = []
 
     def start(self) -> None:
         """Start the server. Without `output`, its lines become this process's JSON log lines (logger
@@ -270,8 +282,8 @@ class VllmServer:
                                      text=True, errors="replace", start_new_session=True)
         if relay:
             assert self.proc.stdout is not None and self.proc.stderr is not None
-            relay_lines(self.proc.stdout, SERVER_LOG, logging.INFO)
-            relay_lines(self.proc.stderr, SERVER_LOG, logging.WARNING)
+            self._relays = [relay_lines(self.proc.stdout, SERVER_LOG, logging.INFO, self.last_lines),
+                            relay_lines(self.proc.stderr, SERVER_LOG, logging.WARNING, self.last_lines)]
 
     @property
     def exited(self) -> int | None:
@@ -284,6 +296,11 @@ class VllmServer:
         while True:
             code = self.exited
             if code is not None:
+                for relay in self._relays:  # its last lines
+                    relay.join(2)
+                if any(PORT_TAKEN in line for line in self.last_lines):
+                    raise VllmPortTaken(f"the vLLM server exited with code {code} while starting: a port picked "
+                                        f"for it was taken before it could bind it ({PORT_TAKEN})")
                 raise VllmStartError(f"the vLLM server exited with code {code} while starting (its log is above)")
             if stop is not None and stop.is_set():  # type: ignore[attr-defined]
                 raise VllmStartError("stopped while the vLLM server was starting")

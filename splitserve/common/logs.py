@@ -3,6 +3,7 @@ lines (a vLLM server's) into the same JSON lines."""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -62,12 +63,16 @@ def relay_line(logger: logging.Logger, line: str, default: int) -> None:
     logger.log(logging.getLevelName(m["level"]), m["msg"], extra={"fields": fields})
 
 
-def relay_lines(stream: IO[str], logger: logging.Logger, default: int) -> threading.Thread:
-    """A daemon thread that relays every line of `stream` (a child's stdout or stderr pipe) until it closes."""
+def relay_lines(stream: IO[str], logger: logging.Logger, default: int,
+                tail: collections.deque[str] | None = None) -> threading.Thread:
+    """A daemon thread that relays every line of `stream` (a child's stdout or stderr pipe) until it closes; each
+    line is also kept in `tail` when given (a bounded deque: the child's last words)."""
     def pump() -> None:
         with stream:
             for line in stream:
                 relay_line(logger, line, default)
+                if tail is not None:
+                    tail.append(line.rstrip("\n"))
 
     thread = threading.Thread(target=pump, name=f"relay-{logger.name}", daemon=True)
     thread.start()

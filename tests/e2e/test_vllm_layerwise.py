@@ -187,8 +187,13 @@ def restart(up: Up, role: str, index: int, env: dict[str, str]) -> Callable[[], 
                             env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": env["VLLM_CPU_OMP_THREADS_BIND"]})
     up.restarted.append(proc)
     info["pid"] = proc.pid
-    return lambda: wait_until(lambda: proc.poll() is None and worker(up, role, index).get("state") == "up", 900,
-                              f"the restarted {info['name']} was not up (log: {log.name})")
+
+    def up_yet() -> bool:
+        if proc.poll() is not None:  # a worker that failed to start is not waited for
+            raise AssertionError(f"the restarted {info['name']} exited with code {proc.returncode} (log: {log.name})")
+        return worker(up, role, index).get("state") == "up"
+
+    return lambda: wait_until(up_yet, 900, f"the restarted {info['name']} was not up (log: {log.name})")
 
 
 # == the tests, in order ==========================================================================================
