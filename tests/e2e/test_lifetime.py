@@ -63,14 +63,15 @@ def test_a_child_started_from_a_threaded_parent_dies_with_it_on_sigkill():
         parent.kill()
 
 
-def start_up_under_a_parent() -> tuple[subprocess.Popen, int, dict]:
+def start_up_under_a_parent(log: Path) -> tuple[subprocess.Popen, int, dict]:
     """A parent process (a stand-in for a test run or a script) that starts `splitserve up` (a colocated worker,
-    a gateway and, for kv_aware routing, a bundled Redis) and waits; (parent, up's pid, up's components)."""
+    a gateway and, for kv_aware routing, a bundled Redis; its log to `log`) and waits; (parent, up's pid, up's
+    components)."""
     port = free_port()
     script = textwrap.dedent(f"""
         import subprocess, sys, time
         up = subprocess.Popen([{str(BIN)!r}, "up", "--port", "{port}", "--mode", "colocated", "--decode", "1",
-                               "--routing", "kv_aware"], stderr=subprocess.DEVNULL)
+                               "--routing", "kv_aware"], stderr=open({str(log)!r}, "w"))
         print("up-pid", up.pid, flush=True)
         time.sleep(600)
     """)
@@ -110,14 +111,16 @@ def tree(components: dict) -> list[int]:
         [components["redis"]["pid"]]
 
 
-def test_up_and_everything_it_started_die_when_its_parent_is_killed():
-    parent, up_pid, components = start_up_under_a_parent()
+def test_up_and_everything_it_started_die_when_its_parent_is_killed(tmp_path):
+    log = tmp_path / "up.log"
+    parent, up_pid, components = start_up_under_a_parent(log)
     pids = [up_pid, *tree(components)]
     try:
         assert all(alive(p) for p in pids) and len(pids) == 4
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        assert wait_gone(pids, 30) == [], "still running after their parent was killed"
+        assert wait_gone(pids, 30) == [], "still running after their parent was killed; up's log ends:\n" + \
+            "\n".join(log.read_text().splitlines()[-30:])
     finally:
         parent.kill()
         for p in pids:
@@ -125,8 +128,8 @@ def test_up_and_everything_it_started_die_when_its_parent_is_killed():
                 os.kill(p, signal.SIGKILL)
 
 
-def test_what_up_started_dies_when_up_is_killed_with_sigkill():
-    parent, up_pid, components = start_up_under_a_parent()
+def test_what_up_started_dies_when_up_is_killed_with_sigkill(tmp_path):
+    parent, up_pid, components = start_up_under_a_parent(tmp_path / "up.log")
     pids = tree(components)
     try:
         os.kill(up_pid, signal.SIGKILL)
