@@ -18,6 +18,8 @@ import sys
 import textwrap
 import time
 
+from splitserve.common.proc import group_members
+
 if len(sys.argv) != 3 or not os.path.isdir(sys.argv[1]):
     raise SystemExit("usage: python3 benchmarks/vllm_lifetime_gpu.py MODEL_DIR OUT_DIR (MODEL_DIR: a model's config "
                      "and tokenizer)")
@@ -40,18 +42,6 @@ WORKER = textwrap.dedent("""
         print("healthy", flush=True)
     time.sleep(3600)
 """)
-
-
-def group(pgid):
-    pids = []
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                if os.getpgid(int(e)) == pgid:
-                    pids.append(int(e))
-            except OSError:
-                pass
-    return pids
 
 
 def alive(pid):
@@ -82,7 +72,7 @@ for mode, port, wait in (("loading", "18555", 12.0), ("healthy", "18556", None))
     else:
         time.sleep(wait)
         started = None
-    pids = group(shim)
+    pids = group_members(shim)
     procs = {p: cmd(p) for p in pids}
     t1 = time.monotonic()
     w.send_signal(signal.SIGKILL)

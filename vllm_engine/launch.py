@@ -42,14 +42,14 @@ async def launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_ur
     """Start this worker's vLLM server (or attach to the one beside it at `attach_url`), wait until it is
     healthy, and return the engine over it, started. A server that could not bind a port picked for it is
     started again on other ports, up to PORT_ATTEMPTS times."""
-    for attempt in range(1, PORT_ATTEMPTS + 1):
+    for attempt in range(2, PORT_ATTEMPTS + 1):
         try:
             return await _launch(spec, role, side_channel_host, attach_url, stop)
         except VllmPortTaken as e:
-            if attach_url is not None or attempt == PORT_ATTEMPTS:
+            if attach_url is not None:
                 raise
-            log.warning("%s; starting it again on other ports (attempt %d of %d)", e, attempt + 1, PORT_ATTEMPTS)
-    raise AssertionError("unreachable")
+            log.warning("%s; starting it again on other ports (attempt %d of %d)", e, attempt, PORT_ATTEMPTS)
+    return await _launch(spec, role, side_channel_host, attach_url, stop)
 
 
 async def _launch(spec: ClusterSpec, role: str, side_channel_host: str, attach_url: str | None,

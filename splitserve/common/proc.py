@@ -217,13 +217,23 @@ def _lead_group(parent_pid: int, cmd: list[str], grace_s: float, cores: list[int
     return code if code >= 0 else 128 - code
 
 
+def group_members(pgid: int) -> list[int]:
+    """The pids of process group `pgid` now (Linux: read from /proc)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) == pgid:
+                    members.append(int(entry))
+    return members
+
+
 def _kill_group_but_me() -> None:
     me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
+    for pid in group_members(me):
+        if pid != me:
             with contextlib.suppress(OSError):
-                if os.getpgid(int(entry)) == me:
-                    os.kill(int(entry), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
