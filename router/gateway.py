@@ -32,11 +32,17 @@ from splitserve.router import metrics as m
 from splitserve.router.cluster import ClusterState
 from splitserve.router.errors import APIError, bad
 from splitserve.router.openai_protocol import GenerationSpec
-from splitserve.router.policy import Charge, Decision, RequestFeatures, RoutingPolicy, make_policy
+from splitserve.router.policy import (
+    BUSY_PAUSE_S,
+    Charge,
+    Decision,
+    RequestFeatures,
+    RoutingPolicy,
+    make_policy,
+)
 from splitserve.router.workers import Worker, WorkerSet
 
 log = logging.getLogger("splitserve.router")
-BUSY_PAUSE_S = 0.05  # s before a decode worker that said busy is tried again (it already waited for room itself)
 
 
 @dataclass

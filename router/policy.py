@@ -19,6 +19,10 @@ from typing import Protocol
 from splitserve.common.hashing import hash_token_blocks
 from splitserve.router.kv_index import KVIndex, Match
 
+# s before a decode worker that sent a request back as busy (no KV room within its wait) is offered that request
+# again; other decode workers may take it at once (the gateway's rule, which the simulator follows too)
+BUSY_PAUSE_S = 0.05
+
 
 @dataclass
 class RequestFeatures:

@@ -45,7 +45,8 @@ class Experiment:
                            cold_start_s=s.autoscaling.cold_start_seconds, engine=s.engine_of("decode"),
                            flips=s.autoscaling.role_flips and s.mode == "disaggregated",
                            flip_s=s.autoscaling.flip_seconds, drain_seconds=s.decode.drain_seconds,
-                           bounds=Bounds.from_spec(s))
+                           reserve_wait_s=s.decode.reserve_wait_seconds,
+                           queue_timeout_s=s.router.queue_timeout_seconds, bounds=Bounds.from_spec(s))
 
     @property
     def budget(self) -> int | None:

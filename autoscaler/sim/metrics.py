@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from splitserve.autoscaler.observations import Observation, Percentiles, RoleObservation
-from splitserve.autoscaler.sim.trace import SimRequest
+from splitserve.autoscaler.sim.trace import SimRequest, Status
 from splitserve.autoscaler.sim.worker import SimWorker, WorkerState
 
 
@@ -30,15 +30,23 @@ class Window:
     itl_samples: list[tuple[float, int]] = field(default_factory=list)  # every window's, for the final report
 
     def arrival(self, req: SimRequest, remote: bool) -> None:
-        d = self.decode
-        d.arrivals += 1
-        d.output_tokens += req.output
+        """A request routed (counted once, however often a busy decode worker sends it back) and, unless it
+        waits for KV room first, its prompt given to the worker that computes it."""
+        if not req.counted:
+            req.counted = True
+            self.decode.arrivals += 1
+            self.decode.output_tokens += req.output
+        if req.status != Status.WAITING_ROOM:
+            self.prompt(req, remote)
+
+    def prompt(self, req: SimRequest, remote: bool) -> None:
+        """A prompt given to the worker that computes it: a prefill worker (`remote`) or its decode worker."""
         if remote:
             p = self.prefill
             p.arrivals += 1
             p.input_tokens += req.prompt
         else:
-            d.input_tokens += req.prompt
+            self.decode.input_tokens += req.prompt
 
     def observe(self, now: float, workers: Iterable[SimWorker]) -> Observation:
         span = max(1e-9, now - self.start)
@@ -82,7 +90,7 @@ class Window:
                 mean_input_tokens=(self.prefill.input_tokens + self.decode.input_tokens)
                 / max(1, self.decode.arrivals) if role == "decode" else counts.input_tokens / max(1, n),
                 mean_output_tokens=self.decode.output_tokens / max(1, self.decode.arrivals),
-                num_waiting=sum(len(w.waiting) + len(w.landed) for w in live),
+                num_waiting=sum(len(w.waiting) + len(w.landed) + len(w.room) for w in live),
                 waiting_prefill_tokens=sum(w.pending_tokens for w in live),
                 num_running=sum(len(w.prefilling) + len(w.decoding) for w in live),
                 kv_usage=sum(w.kv_used / w.kv_capacity for w in ready) / len(ready) if ready else 0.0,

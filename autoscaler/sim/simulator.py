@@ -1,6 +1,8 @@
 """The discrete-event simulation of one splitserve cluster: requests arrive, the router's real policy object
-picks a decode and a prefill worker (this module is its `WorkerView`), the decode worker reserves KV or
-prefills locally (as decode_worker/service.py), the prefill worker computes the prompt and streams its KV
+picks a decode and a prefill worker (this module is its `WorkerView`), the decode worker reserves KV for the
+prompt or prefills a short one locally (as decode_worker/service.py: a long prompt that finds no KV room waits
+for it, up to `reserve_wait_s`, then goes back to the gateway as busy, which offers it to another decode worker,
+or to this one after BUSY_PAUSE_S, until `queue_timeout_s`), the prefill worker computes the prompt and streams its KV
 (landing after max(prefill end + tail, prefill start + bytes / bandwidth)), the decode worker decodes; every
 control interval a scaling law sees an `Observation` and its decision is actuated: with `flips`, workers move
 between the roles first (a flipping worker takes no new work, drains what it holds, and serves the other role
@@ -27,9 +29,9 @@ from splitserve.autoscaler.sim.metrics import Window
 from splitserve.autoscaler.sim.trace import PromptTokens, SimRequest, Status
 from splitserve.autoscaler.sim.worker import SimWorker, WorkerState
 from splitserve.common.config import SpillSpec
-from splitserve.router.policy import Charge, RequestFeatures, WorkerLoad, make_policy
+from splitserve.router.policy import BUSY_PAUSE_S, Charge, RequestFeatures, WorkerLoad, make_policy
 
-STEP_END, LAND, READY, TICK, DRAIN_DEADLINE, FLIP_DONE = range(6)
+STEP_END, LAND, READY, TICK, DRAIN_DEADLINE, FLIP_DONE, ROOM, ROOM_DEADLINE, REROUTE = range(9)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class SimSettings:
     flips: bool = False  # workers can move between the roles (the law's flips; else `flips_between` its targets)
     flip_s: float | None = None  # s a drained worker takes to serve the other role (default: the profile's)
     drain_seconds: float = 120.0  # a draining worker is stopped after this, failing what is left
+    reserve_wait_s: float = 1.0  # decode.reserveWaitSeconds: a remote prefill waits this long for KV room
+    queue_timeout_s: float = 300.0  # router.queueTimeoutSeconds: a request bounced as busy fails after this
     prefix_cache: bool = True  # workers keep the hash-id blocks of prompts they computed or received
     rpc_s: float = 0.0  # s added to every first token (gateway + gRPC), from calibration
     join_quantum_s: float = 0.0  # s: requests join a running decode batch at most this late (0: next step)
@@ -165,6 +169,12 @@ class Simulation:
                     self._drain_deadline(payload, version, now)
                 elif kind == FLIP_DONE:
                     self._flip_done(payload, version, now)
+                elif kind == ROOM:
+                    self._room(payload, now)
+                elif kind == ROOM_DEADLINE:
+                    self._room_deadline(payload, version, now)
+                elif kind == REROUTE:
+                    self._arrive(payload, now)
             elif i < n:
                 now = t_arr
                 if now > self.s.max_time_s:
@@ -191,12 +201,15 @@ class Simulation:
         heapq.heappush(self._events, (t, self._seq, kind, payload, version))
 
     # -- requests ------------------------------------------------------------------------------------------
-    def _arrive(self, req: SimRequest, now: float) -> None:
+    def _arrive(self, req: SimRequest, now: float, exclude: frozenset[str] = frozenset()) -> None:
         features = RequestFeatures(PromptTokens(req.prompt, req.hash_ids, req.rid), self.s.block_size, "sim",
                                    max_tokens=req.output)
-        decision = self.policy.route(features, self)
-        if decision is None:  # no ready decode worker: the gateway answers 503
-            self._fail(req, now)
+        decision = self.policy.route(features, self, exclude)
+        if decision is None:
+            if exclude:  # only the decode worker that said busy is up: the gateway offers it again after a pause
+                self._push(now + BUSY_PAUSE_S, REROUTE, req)
+            else:  # no ready decode worker: the gateway answers 503
+                self._fail(req, now)
             return
         dec = self.by_name[decision.decode.name]
         pre = self.by_name[decision.prefill.name] if decision.prefill is not None else None
@@ -208,24 +221,78 @@ class Simulation:
             self._charges[req.rid] = Charge(decision.decode, None, blocks, new_blocks)
             self._fail(req, now)
             return
-        # as decode_worker/service.py: prefill remotely what this worker's cache lacks, if that is long enough
+        # as decode_worker/service.py: prefill remotely what this worker's cache lacks, if that is long enough;
+        # such a prompt is never prefilled here for want of KV: it waits for room (behind any waiting already)
         uncached = req.prompt - dec.prefix_hit(req)
-        remote = pre is not None and uncached >= self.s.disagg_threshold and dec.reserve(req)
+        remote = pre is not None and uncached >= self.s.disagg_threshold
         # charged to the worker that computes the prompt (as the gateway's, router/gateway.py)
         self._charges[req.rid] = Charge(decision.decode, decision.prefill if remote else None, blocks, new_blocks)
-        if remote:
-            req.remote = True
-            req.transfer_tokens = uncached
-            req.prefill_worker = pre
-            pre.inflight.add(req)
-            pre.enqueue_prompt(req, req.prompt, now)
+        if remote and (dec.room or not dec.reserve(req)):
+            req.status, req.prefill_worker = Status.WAITING_ROOM, pre
+            dec.room.append(req)
             self.window.arrival(req, remote=True)
-            self._kick(pre, now)
+            self._push(now + self.s.reserve_wait_s, ROOM_DEADLINE, req, req.bounces)
+            dec.sync_load()
+            return
+        self.window.arrival(req, remote)
+        if remote:
+            assert pre is not None
+            self._send(req, dec, pre, uncached, now)
         else:
             dec.enqueue_prompt(req, req.prompt, now)
-            self.window.arrival(req, remote=False)
         dec.sync_load()
         self._kick(dec, now)
+
+    def _send(self, req: SimRequest, dec: SimWorker, pre: SimWorker, uncached: int, now: float) -> None:
+        """The prompt, its KV reserved on `dec`, to the prefill worker."""
+        req.remote = True
+        req.transfer_tokens = uncached
+        req.prefill_worker = pre
+        pre.inflight.add(req)
+        pre.enqueue_prompt(req, req.prompt, now)
+        self._kick(pre, now)
+
+    def _room(self, dec: SimWorker, now: float) -> None:
+        """KV freed on a decode worker: the remote prefills waiting for room reserve it in order, and go out."""
+        dec.room_due = False
+        while dec.room and dec.state != WorkerState.GONE and dec.reserve(dec.room[0]):
+            req = dec.room.popleft()
+            pre = req.prefill_worker
+            if not (isinstance(pre, SimWorker) and pre.state == WorkerState.READY):  # gone meanwhile: another
+                pre = min((self.by_name[w.name] for w in self.candidates("prefill")),
+                          key=lambda w: (w.load.outstanding, len(w.inflight)), default=None)
+            self.window.prompt(req, remote=pre is not None)
+            if pre is None:  # no prefill worker left: this one computes it (its KV is reserved already)
+                dec.kv_used -= req.kv_held
+                req.kv_held = 0
+                req.prefill_worker = None
+                dec.enqueue_prompt(req, req.prompt, now)
+            else:
+                self._send(req, dec, pre, req.prompt - dec.prefix_hit(req), now)
+        dec.sync_load()
+        self._kick(dec, now)
+
+    def _room_deadline(self, req: SimRequest, bounce: int, now: float) -> None:
+        """No KV room in time: the decode worker sends the request back to the gateway as busy, which offers it to
+        another decode worker (this one after BUSY_PAUSE_S) until the queue timeout, then answers 429."""
+        dec = req.decode_worker
+        if bounce != req.bounces or req.status != Status.WAITING_ROOM or not isinstance(dec, SimWorker):
+            return
+        dec.release(req)
+        dec.sync_load()
+        charge = self._charges.pop(req.rid, None)
+        if charge is not None:
+            charge.release()
+        req.decode_worker = req.prefill_worker = None
+        req.status = Status.ARRIVING
+        self._settle(dec, now)
+        if req.busy_since < 0:
+            req.busy_since = now
+        if now - req.busy_since >= self.s.queue_timeout_s:
+            self._fail(req, now)
+            return
+        req.bounces += 1
+        self._arrive(req, now, exclude=frozenset({dec.name}))
 
     def _kick(self, w: SimWorker, now: float) -> None:
         """New work for `w`: start a step if idle; cut a long decode macro-step at its next boundary."""
@@ -290,6 +357,9 @@ class Simulation:
                     w.drop_decoding(req, now)  # only a worker being killed loses decoding requests
                 w.release(req)
                 w.sync_load()
+                if w.room and not w.room_due:  # KV freed: the prompts waiting for room try once this event is done
+                    w.room_due = True
+                    self._push(now, ROOM, w)
         charge = self._charges.pop(req.rid, None)
         if charge is not None:
             charge.release()

@@ -31,6 +31,7 @@ class Status(enum.Enum):
     WAITING_PREFILL = "waiting_prefill"  # queued on a prefill worker
     PREFILLING = "prefilling"  # chunks being computed on a prefill worker
     TRANSFERRING = "transferring"  # KV streaming to its decode worker
+    WAITING_ROOM = "waiting_room"  # on its decode worker, waiting for KV room to reserve for a remote prefill
     WAITING_DECODE = "waiting_decode"  # on its decode worker, waiting for a seat or to prefill locally
     LOCAL_PREFILLING = "local_prefilling"  # its decode worker computes the prompt itself
     DECODING = "decoding"
@@ -63,6 +64,9 @@ class SimRequest:
     join_slow: int = 0  # decode worker's slow-step count when this stint began (step 0 counted apart)
     stint: int = 0  # bumps on preemption: heap entries of an older stint are stale
     kv_held: int = 0  # tokens of KV this request holds on its decode worker
+    bounces: int = 0  # times a decode worker sent it back to the gateway as busy (no KV room in time)
+    busy_since: float = -1.0  # s of its first bounce (-1: none)
+    counted: bool = False  # its arrival is in the metrics window (once, however often it is routed)
     prefill_worker: object = None
     decode_worker: object = None
 

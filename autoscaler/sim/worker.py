@@ -60,6 +60,8 @@ class SimWorker:
         self.waiting: deque[SimRequest] = deque()  # prompts to compute here, not admitted yet
         self.prefilling: list[SimRequest] = []  # admitted, prompt not done
         self.landed: deque[SimRequest] = deque()  # decode: KV arrived (or prompt done here), waiting to join
+        self.room: deque[SimRequest] = deque()  # decode: remote prefills waiting for KV room to reserve, in order
+        self.room_due = False  # KV was freed while some wait for room: a check is scheduled
         self.decoding: list[SimRequest] = []  # in joining order (newest last: the preemption victim)
         self.inflight: set[SimRequest] = set()  # every request touching this worker (for kills)
         self.pending_tokens = 0  # prompt tokens waiting or prefilling here, not yet computed
@@ -99,14 +101,14 @@ class SimWorker:
     def sync_load(self) -> None:
         """Refresh the policy's view (workers report these in their stats)."""
         ld = self.load
-        ld.num_waiting = len(self.waiting) + len(self.landed)
+        ld.num_waiting = len(self.waiting) + len(self.landed) + len(self.room)
         ld.num_running = len(self.prefilling) + len(self.decoding)
         bs = self.block_size
         ld.kv_blocks_used, ld.kv_capacity_blocks = -(-self.kv_used // bs), self.kv_capacity // bs
 
     # -- intake --------------------------------------------------------------------------------------------
     def reserve(self, req: SimRequest) -> bool:
-        """Decode: hold KV for a prompt a prefill worker will compute (False: no room, prefill locally)."""
+        """Decode: hold KV for a prompt a prefill worker will compute (False: no room now)."""
         if self.kv_used + req.prompt > self.kv_capacity:
             return False
         self.kv_used += req.prompt
@@ -337,6 +339,8 @@ class SimWorker:
         else:
             self.kv_used -= req.kv_held
             req.kv_held = 0
+        if req.status == Status.WAITING_ROOM and req in self.room:
+            self.room.remove(req)
         if req.status in (Status.WAITING_PREFILL, Status.WAITING_DECODE, Status.PREFILLING, Status.LOCAL_PREFILLING):
             if req in self.waiting:
                 self.waiting.remove(req)

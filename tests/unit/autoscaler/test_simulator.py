@@ -228,6 +228,64 @@ def test_kv_capacity_limits_the_decode_batch_and_preempts():
     assert max(r.finish for r in res.requests) > 2 * min(r.finish for r in res.requests)  # they took turns
 
 
+def _full_decode(capacity: int = 6000) -> tuple[ReplicaProfile, SimSettings]:
+    small = ReplicaProfile(**{**PROFILE.__dict__, "kv_capacity_tokens": capacity})
+    return small, SimSettings(small, ttft_s=1.0, itl_s=0.05, disagg_threshold=256, reserve_wait_s=0.5,
+                              queue_timeout_s=5.0)
+
+
+def test_a_long_prompt_without_kv_room_waits_for_it_and_is_prefilled_remotely():
+    """As decode_worker/service.py: a decode worker never prefills a long prompt itself for want of KV. The
+    second prompt finds the KV held by the first (5,000 of 6,000 tokens). It waits, is sent back as busy every
+    `reserve_wait_s` and offered again after the busy pause (the only decode worker), and once the first
+    finishes it goes to the prefill worker. The simulator used to prefill it on the decode worker at once."""
+    _, settings = _full_decode()
+    reqs = [SimRequest(0, 0.0, 4000, 1000), SimRequest(1, 0.01, 3000, 10)]
+    sim = Simulation(reqs, settings, StaticLaw(1, 1), (1, 1))
+    res = sim.run()
+    first, second = res.requests
+    assert first.status == second.status == Status.FINISHED
+    assert first.remote and second.remote, "both prompts are computed by the prefill worker"
+    assert second.prefill_worker.role == "prefill"
+    assert second.prefill_start >= first.finish > 3.0  # it waited for the first's KV to go
+    assert second.bounces == math.floor((first.finish - 0.01) / (settings.reserve_wait_s + 0.05))
+
+
+def test_a_prompt_still_without_room_after_the_wait_goes_to_another_decode_worker():
+    """After `reserve_wait_s` the decode worker sends it back as busy; the router's policy offers it to another
+    decode worker, which has room."""
+    _, settings = _full_decode()
+
+    class FirstDecodeFull(Simulation):
+        def _arrive(self, req, now, exclude=frozenset()):
+            if req.rid == 1 and not exclude:  # the least-loaded pick would be the empty worker: force the full one
+                exclude = frozenset(w.name for w in self.live["decode"] if not w.inflight)
+                super()._arrive(req, now, exclude)
+                return
+            super()._arrive(req, now, exclude)
+
+    reqs = [SimRequest(0, 0.0, 4000, 1000), SimRequest(1, 0.01, 3000, 10)]
+    res = FirstDecodeFull(reqs, settings, StaticLaw(1, 2), (1, 2)).run()
+    first, second = res.requests
+    assert second.status == Status.FINISHED and second.remote
+    assert second.bounces == 1 and second.busy_since == pytest.approx(0.51)
+    assert second.decode_worker is not first.decode_worker
+    assert second.first_token < first.finish  # it did not wait for the first request to end
+
+
+def test_a_prompt_that_never_finds_room_fails_after_the_queue_timeout():
+    """One decode worker whose KV a long request holds for longer than the queue timeout: the second request
+    bounces (offered again after the busy pause each time) and fails at the timeout, not at the end of time."""
+    _, settings = _full_decode()
+    reqs = [SimRequest(0, 0.0, 4000, 1900), SimRequest(1, 0.01, 3000, 10)]  # the first decodes for > 5 s
+    res = simulate(reqs, dataclasses.replace(settings, itl_s=1.0), StaticLaw(1, 1), (1, 1))
+    first, second = res.requests
+    assert first.status == Status.FINISHED and first.finish > 6.0
+    assert second.status == Status.FAILED
+    assert 5.0 <= second.finish - second.busy_since <= 5.0 + settings.reserve_wait_s + 0.1
+    assert second.bounces >= 5
+
+
 @pytest.mark.parametrize("a0,delta,k", [(0.01, 0.0, 5), (0.01, 0.001, 40), (0.2, 0.003, 17)])
 def test_macro_step_arithmetic_matches_step_by_step(a0, delta, k):
     s = _Step(10.0, k, a0, delta, 4, [])
