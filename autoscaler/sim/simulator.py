@@ -263,8 +263,7 @@ class Simulation:
                           key=lambda w: (w.load.outstanding, len(w.inflight)), default=None)
             self.window.prompt(req, remote=pre is not None)
             if pre is None:  # no prefill worker left: this one computes it (its KV is reserved already)
-                dec.kv_used -= req.kv_held
-                req.kv_held = 0
+                dec.unreserve(req)
                 req.prefill_worker = None
                 dec.enqueue_prompt(req, req.prompt, now)
             else:

@@ -115,6 +115,11 @@ class SimWorker:
         req.kv_held = req.prompt
         return True
 
+    def unreserve(self, req: SimRequest) -> None:
+        """Decode: give back the KV `reserve` held (the prompt is computed here after all)."""
+        self.kv_used -= req.kv_held
+        req.kv_held = 0
+
     def enqueue_prompt(self, req: SimRequest, to_compute: int, now: float, front: bool = False) -> None:
         """A prompt (or a recompute of prompt + output so far) to compute on this worker."""
         req.to_compute, req.computed, req.enqueued = to_compute, 0, now

@@ -273,6 +273,23 @@ def test_a_prompt_still_without_room_after_the_wait_goes_to_another_decode_worke
     assert second.first_token < first.finish  # it did not wait for the first request to end
 
 
+def test_a_prompt_whose_prefill_worker_left_while_it_waited_is_prefilled_on_its_decode_worker():
+    """The prefill pool goes to zero while the second prompt waits for KV room (a wait longer than the first
+    request's decode): once room frees there is no prefill worker to send it to, so its decode worker computes
+    it, with the KV it reserved given back first (the cache's count stays exact)."""
+    _, settings = _full_decode()
+    settings = dataclasses.replace(settings, reserve_wait_s=30.0)
+    reqs = [SimRequest(0, 0.0, 4000, 1000), SimRequest(1, 0.01, 3000, 10)]
+    sim = Simulation(reqs, settings, StaticLaw(0, 1, interval_s=0.5), (1, 1))
+    res = sim.run()
+    first, second = res.requests
+    assert first.remote and not second.remote
+    assert second.status == Status.FINISHED and second.bounces == 0
+    assert second.first_token > first.finish
+    decode = next(w for w in sim.workers if w.role == "decode")
+    assert decode.kv_used == 0 and not decode.room
+
+
 def test_a_prompt_that_never_finds_room_fails_after_the_queue_timeout():
     """One decode worker whose KV a long request holds for longer than the queue timeout: the second request
     bounces (offered again after the busy pause each time) and fails at the timeout, not at the end of time."""
