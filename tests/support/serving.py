@@ -18,14 +18,28 @@ from pathlib import Path
 from splitserve.common.proc import free_port
 from support.procs import children, module_of
 
+PORT_ATTEMPTS = 3  # starts of `up` whose gateway port was taken before it bound it
+
 
 class Up:
     """`splitserve up ARGS` until it says ready; `exe`: another install's entry point (this venv's by default),
     run in `cwd`."""
 
     def __init__(self, *args: str, timeout: float = 240.0, exe: Path | None = None, cwd: Path | None = None) -> None:
-        self.port = free_port()
         exe = exe or Path(sys.executable).parent / "splitserve"
+        # the gateway's port is picked free here and bound by `up` seconds later; another test process may take it
+        # in between (seen once in a full run), so a start that fails on exactly that is made again on another
+        for attempt in range(PORT_ATTEMPTS):
+            if self._start(exe, cwd, args, timeout):
+                return
+            self.stop()
+            taken = any("already in use" in line and str(self.port) in line for line in self.stderr)
+            if not taken or attempt == PORT_ATTEMPTS - 1:
+                raise RuntimeError("splitserve up did not become ready:\n" + "".join(self.stderr[-30:]))
+
+    def _start(self, exe: Path, cwd: Path | None, args: tuple[str, ...], timeout: float) -> bool:
+        """Start `up` on a free port; True once it printed its components."""
+        self.port = free_port()
         self.proc = subprocess.Popen([str(exe), "up", "--port", str(self.port), *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, cwd=cwd)
         self.stderr: list[str] = []
@@ -49,9 +63,7 @@ class Up:
             if m:
                 self.components = json.loads(m.group(1))
                 break
-        if not ready or not self.components:
-            self.stop()
-            raise RuntimeError("splitserve up did not become ready:\n" + "".join(self.stderr[-30:]))
+        return ready and bool(self.components)
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
