@@ -258,11 +258,11 @@ class Simulation:
         while dec.room and dec.state != WorkerState.GONE and dec.reserve(dec.room[0]):
             req = dec.room.popleft()
             pre = req.prefill_worker
-            if not (isinstance(pre, SimWorker) and pre.state == WorkerState.READY):  # gone meanwhile: another
-                pre = min((self.by_name[w.name] for w in self.candidates("prefill")),
-                          key=lambda w: (w.load.outstanding, len(w.inflight)), default=None)
+            if not (isinstance(pre, SimWorker) and pre.state == WorkerState.READY):
+                pre = None  # its prefill worker left meanwhile: the call fails, and this one prefills it (as the
+                # decode worker's fallback, decode_worker/service.py)
             self.window.prompt(req, remote=pre is not None)
-            if pre is None:  # no prefill worker left: this one computes it (its KV is reserved already)
+            if pre is None:  # its KV is reserved already
                 dec.unreserve(req)
                 req.prefill_worker = None
                 dec.enqueue_prompt(req, req.prompt, now)
@@ -279,9 +279,7 @@ class Simulation:
             return
         dec.release(req)
         dec.sync_load()
-        charge = self._charges.pop(req.rid, None)
-        if charge is not None:
-            charge.release()
+        self._uncharge(req)
         req.decode_worker = req.prefill_worker = None
         req.status = Status.ARRIVING
         self._settle(dec, now)
@@ -359,12 +357,16 @@ class Simulation:
                 if w.room and not w.room_due:  # KV freed: the prompts waiting for room try once this event is done
                     w.room_due = True
                     self._push(now, ROOM, w)
-        charge = self._charges.pop(req.rid, None)
-        if charge is not None:
-            charge.release()
+        self._uncharge(req)
         req.status = status
         req.finish = now
         self._done += 1
+
+    def _uncharge(self, req: SimRequest) -> None:
+        """The request no longer counts in its workers' load, as the gateway sees it."""
+        charge = self._charges.pop(req.rid, None)
+        if charge is not None:
+            charge.release()
 
     # -- scaling -------------------------------------------------------------------------------------------
     def _tick(self, now: float) -> None:

@@ -7,8 +7,9 @@ position 0. Per tile, a row gets its max score, its sum of exponentials and its 
 fixed inner size (head_dim for the scores, `tile` for the values), a max and a sum over `tile` columns. The tiles
 are then merged left to right, one after another. A tile a row cannot see (past its position, or past a shorter
 sequence in a decode batch) contributes exact zeros, so how many tiles the batch needed does not matter. What is
-left to the math library: a matmul must compute each row the same whatever the number of rows (2 or more: one
-row goes down a different path, so a lone row is computed twice over); tests/unit/engine/test_batch_invariance.py checks it.
+left to the math library: a matmul must compute each row the same whatever the number of rows (past its
+short-product kernels: a product of fewer than MIN_ROWS rows is padded to it); tests/unit/engine/test_batch_invariance.py
+checks it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import torch
 TILE = 256  # KV positions per tile (at least the block size: `tile_for`)
 QUERY_ROWS = 256  # prefill rows per pass: bounds the scores' memory ([kv_heads, tiles, rows * group, tile])
 _NEG = torch.finfo(torch.float32).min
+# rows below which a float32 product is padded (`_matmul`). The math library computes a row of a product the same
+# whatever the number of rows only past its short-product kernels: with MKL on AVX-512 one row differs from two or
+# more; on AVX2 (an AMD EPYC) products of 1-3 rows, 5-7 and 9-11 each differ from those of 4, 8 and 12 or more
+MIN_ROWS = 16
 
 
 def tile_for(block_size: int) -> int:
@@ -118,10 +123,12 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tenso
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with at least two rows: a one-row product takes the math library's vector path, which reduces in
-    another order than the matrix path every longer batch takes."""
-    if a.shape[-2] == 1:
-        return torch.matmul(torch.cat([a, a], -2), b)[..., :1, :]
+    """a @ b with at least MIN_ROWS rows (the last one repeated, the copies cut after): a short product takes
+    another kernel of the math library, which reduces in another order than the one every longer product takes."""
+    m = a.shape[-2]
+    if m < MIN_ROWS:
+        pad = a[..., -1:, :].expand(*a.shape[:-2], MIN_ROWS - m, a.shape[-1])
+        return torch.matmul(torch.cat([a, pad], -2), b)[..., :m, :]
     return torch.matmul(a, b)
 
 

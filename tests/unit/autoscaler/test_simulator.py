@@ -29,7 +29,7 @@ from splitserve.autoscaler.sim.laws import DynamoLoadLaw, ForesightLaw, LateOrac
 from splitserve.autoscaler.sim.report import summary
 from splitserve.autoscaler.sim.simulator import SimSettings, Simulation, fresh, simulate
 from splitserve.autoscaler.sim.trace import SimRequest, Status
-from splitserve.autoscaler.sim.worker import _Step
+from splitserve.autoscaler.sim.worker import WorkerState, _Step
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -286,6 +286,35 @@ def test_a_prompt_whose_prefill_worker_left_while_it_waited_is_prefilled_on_its_
     assert first.remote and not second.remote
     assert second.status == Status.FINISHED and second.bounces == 0
     assert second.first_token > first.finish
+    decode = next(w for w in sim.workers if w.role == "decode")
+    assert decode.kv_used == 0 and not decode.room
+
+
+def test_a_prompt_whose_own_prefill_worker_left_is_prefilled_on_its_decode_worker_not_another():
+    """As decode_worker/service.py does (its call to a prefill worker that has left fails, and it prefills
+    locally): the prefill worker the router picked for the waiting prompt leaves before room frees, another
+    prefill worker is ready, and the decode worker computes the prompt. The simulator used to send it to the
+    other prefill worker, a choice no part of the real cluster makes."""
+    _, settings = _full_decode()
+    settings = dataclasses.replace(settings, reserve_wait_s=30.0)
+    left: list[str] = []
+
+    class PrefillLeaves(Simulation):
+        def _room(self, dec, now):
+            for req in dec.room:
+                if req.prefill_worker is not None and req.prefill_worker.state == WorkerState.READY:
+                    left.append(req.prefill_worker.name)
+                    self._retire(req.prefill_worker, now)
+            super()._room(dec, now)
+
+    reqs = [SimRequest(0, 0.0, 4000, 1000), SimRequest(1, 0.01, 3000, 10)]
+    sim = PrefillLeaves(reqs, settings, StaticLaw(2, 1), (2, 1))
+    res = sim.run()
+    first, second = res.requests
+    assert left and first.prefill_worker.name not in left, "the first prompt's prefill worker stays"
+    assert first.remote and not second.remote
+    assert second.status == Status.FINISHED and second.first_token > first.finish
+    assert [w.name for w in sim.live["prefill"]] == [first.prefill_worker.name]
     decode = next(w for w in sim.workers if w.role == "decode")
     assert decode.kv_used == 0 and not decode.room
 

@@ -230,6 +230,21 @@ def test_tiled_attention_rows_are_the_same_decoded_chunked_or_whole(group, block
         assert torch.equal(alone[0], full[p]), p
 
 
+@pytest.mark.parametrize("inner, cols", [(64, 256), (256, 64)])
+def test_attention_products_rows_are_the_same_at_every_row_count(inner, cols):
+    """The tiled attention's two products (scores: head_dim inner; weighted values: a tile inner), each row
+    computed in a product of any number of rows equals the same row in any other. Plain torch.matmul fails this
+    on some machines (AVX2: 5-7 and 9-11 rows differ from 4, 8 and 12 or more)."""
+    torch.manual_seed(0)
+    a, b = torch.randn(600, inner), torch.randn(inner, cols)
+    ref = torch.cat([tiled_attention._matmul(a[i : i + 64], b) for i in range(0, 600, 64)])
+    for m in [*range(1, 40), 64, 127, 128, 129, 300, 600]:
+        assert torch.equal(tiled_attention._matmul(a[:m], b), ref[:m]), m
+        assert torch.equal(tiled_attention._matmul(a[600 - m :], b), ref[600 - m :]), m
+        batched = tiled_attention._matmul(a[:m].expand(3, 2, m, inner), b.expand(3, 2, inner, cols).contiguous())
+        assert torch.equal(batched[2, 1], ref[:m]), m
+
+
 @pytest.mark.skipif(not packed_linear_available(), reason="no oneDNN in this torch build")
 @pytest.mark.parametrize("shape", [(576, 960), (576, 3072), (1536, 576), (576, 49152)])
 def test_packed_matmul_rows_are_the_same_at_every_batch_size(shape):
