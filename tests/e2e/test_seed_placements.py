@@ -48,9 +48,13 @@ spec:
   mode: disaggregated
   prefill: {{replicas: 1, engine: {{batchInvariant: true, maxNumBatchedTokens: {CHUNK}}}}}
   decode: {{replicas: 1, disaggThreshold: 16, engine: {{batchInvariant: true, maxNumBatchedTokens: {CHUNK}}}}}
+  kvTransfer: {{timeoutSeconds: 300}}
 """
 
 
+# kvTransfer.timeoutSeconds 300: the counts below assume every remote prefill lands; with the default 30 s, two of
+# eight prompts sent at once to the one prefill worker, on a 2-core AVX2 box beside another test process, passed
+# the deadline and were prefilled locally (the same text: the fallback is a placement this test does not count)
 # stallSeconds 10: the stalled worker's streams move 10 s after its last token; a shorter window also moves
 # streams of a worker that is merely slow (a step of 8 long prompts on a loaded 2-core box can take seconds),
 # and the counts below assume family 0's first runs stayed where they started
