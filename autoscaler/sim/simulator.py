@@ -258,9 +258,10 @@ class Simulation:
         while dec.room and dec.state != WorkerState.GONE and dec.reserve(dec.room[0]):
             req = dec.room.popleft()
             pre = req.prefill_worker
+            # its prefill worker left meanwhile: the call to it fails, and this worker prefills it (as the decode
+            # worker's fallback does, decode_worker/service.py)
             if not (isinstance(pre, SimWorker) and pre.state == WorkerState.READY):
-                pre = None  # its prefill worker left meanwhile: the call fails, and this one prefills it (as the
-                # decode worker's fallback, decode_worker/service.py)
+                pre = None
             self.window.prompt(req, remote=pre is not None)
             if pre is None:  # its KV is reserved already
                 dec.unreserve(req)

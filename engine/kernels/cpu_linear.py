@@ -24,13 +24,21 @@ def pack_weight(w: torch.Tensor, batch_hint: int = 16) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), batch_hint)
 
 
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [..., m, k] with its last row repeated up to `rows` rows (x itself when it has that many): a product
+    computed on it and cut back to m rows gives each row as the math library computes rows of a longer product."""
+    m = x.shape[-2]
+    if m >= rows:
+        return x
+    return torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], rows - m, x.shape[-1])], -2)
+
+
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                   min_rows: int = 1) -> torch.Tensor:
     """x [M, in] @ packed weight -> [M, out]; fewer than `min_rows` rows are repeated up to it and cut after."""
     m = x.shape[0]
     if 0 < m < min_rows:
-        x = torch.cat([x, x[-1:].expand(min_rows - m, -1)])
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:m]
+        return torch.ops.mkldnn._linear_pointwise(pad_rows(x, min_rows), packed, bias, "none", [], "")[:m]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

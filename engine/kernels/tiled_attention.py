@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine.kernels.cpu_linear import pad_rows
+
 TILE = 256  # KV positions per tile (at least the block size: `tile_for`)
 QUERY_ROWS = 256  # prefill rows per pass: bounds the scores' memory ([kv_heads, tiles, rows * group, tile])
 _NEG = torch.finfo(torch.float32).min
@@ -127,8 +129,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     another kernel of the math library, which reduces in another order than the one every longer product takes."""
     m = a.shape[-2]
     if m < MIN_ROWS:
-        pad = a[..., -1:, :].expand(*a.shape[:-2], MIN_ROWS - m, a.shape[-1])
-        return torch.matmul(torch.cat([a, pad], -2), b)[..., :m, :]
+        return torch.matmul(pad_rows(a, MIN_ROWS), b)[..., :m, :]
     return torch.matmul(a, b)
 
 
