@@ -54,7 +54,7 @@ async def prefill_side(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContex
     kv_metrics.BYTES.labels("send", agent.backend.name)
     hook = KVStreamHook(engine.kv_spec.block_size, cuda=engine.facts.device.startswith("cuda"))
     engine.add_layer_hook(hook)
-    return NativePrefillHandover(engine, agent, hook, make_pool(spec, engine, ctx, "prefill"))
+    return NativePrefillHandover(engine, agent, hook, await make_pool(spec, engine, ctx, "prefill"))
 
 
 async def decode_side(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeSide:
@@ -62,12 +62,12 @@ async def decode_side(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext
     agent = await asyncio.to_thread(make_worker_agent, spec.kv_transfer.backend, engine, ctx.host, "decode")
     log.info("kv transfer agent %s on %s", agent.name, agent.backend.name)
     kv_metrics.BYTES.labels("recv", agent.backend.name)
-    pool = make_pool(spec, engine, ctx, "decode")
+    pool = await make_pool(spec, engine, ctx, "decode")
     return DecodeSide(_serving(engine, pool), NativeDecodeHandover(engine, agent), _closed(pool))
 
 
 async def colocated_side(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext) -> DecodeSide:
-    pool = make_pool(spec, engine, ctx, "decode")
+    pool = await make_pool(spec, engine, ctx, "decode")
     return DecodeSide(_serving(engine, pool), None, _closed(pool))
 
 

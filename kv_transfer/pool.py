@@ -38,6 +38,7 @@ from splitserve.common.pool_metrics import (
     HIT_TOKENS,
     LOOKUP_TOKENS,
     POOL_BYTES,
+    POOL_REDIS_UP,
     READ_SECONDS,
     WRITE_SECONDS,
 )
@@ -104,6 +105,7 @@ class KVPool:
     async def close(self) -> None:
         self.write_enabled = False  # its listener stays on the engine (no removal seam): it queues nothing more
         await self._tasks.close()
+        await self.link.close()
 
     async def _write_loop(self) -> None:
         last_info = 0.0
@@ -301,9 +303,14 @@ async def _pipelined(r, ops: list[tuple]) -> list:
     return await pipe.execute()
 
 
-def make_pool(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext, role: str) -> KVPool | None:
+async def make_pool(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext, role: str) -> KVPool | None:
     """The worker's KV pool when `kvPool.enabled` and there is a Redis; started, its writer listening to the
-    engine's KV events. None otherwise (and with tensor parallelism, whose shards it does not store yet)."""
+    engine's KV events. None otherwise (and with tensor parallelism, whose shards it does not store yet).
+
+    The pool has a Redis link of its own to the worker's Redis, whose socket deadline is
+    `kvPool.readTimeoutSeconds`: its reads and writes move megabytes, which on a loaded host can take longer
+    than the 1 s the worker's own link allows its small calls; one slow read must not take the registry's
+    lease down with it, nor wait behind it."""
     if not spec.kv_pool.enabled:
         return None
     if ctx.link is None:
@@ -312,7 +319,10 @@ def make_pool(spec: ClusterSpec, engine: AsyncEngine, ctx: WorkerContext, role: 
     if engine.facts.tensor_parallel_size > 1:
         log.warning("the KV pool does not store tensor-parallel shards yet: it is off on this worker")
         return None
-    pool = KVPool(spec.kv_pool, ctx.link, engine, ctx.keys, ctx.name, ctx.instance_id,
+    link = RedisLink(ctx.link.url, timeout=spec.kv_pool.read_timeout_seconds, name="kv pool redis",
+                     up_gauge=POOL_REDIS_UP)
+    await link.start()  # not reachable yet: the pool computes everything until its link is up
+    pool = KVPool(spec.kv_pool, link, engine, ctx.keys, ctx.name, ctx.instance_id,
                   write=role in spec.kv_pool.write_from)
     engine.add_kv_event_listener(pool.listener)
     pool.start()

@@ -425,7 +425,8 @@ class KVPoolSpec(Spec):
     """The workers' prefill speed; with it, a load happens only when its estimated time (bytes over the
     measured read bandwidth) is below recomputing. None: always load past minLoadTokens."""
     read_timeout_seconds: Seconds = 5.0
-    """A pool read slower than this is abandoned and the prompt recomputed."""
+    """A pool read slower than this is abandoned and the prompt recomputed; native workers' pool link to Redis
+    waits this long on its socket (the worker's own link, for the registry, waits 1 s)."""
     lookup_timeout_seconds: Seconds = 0.2
     """engine vllm: the scheduler's pool lookup (one pipelined EXISTS inside vLLM's scheduling loop) is given up
     after this and the prompt computed. Native workers bound lookup and read together by readTimeoutSeconds."""

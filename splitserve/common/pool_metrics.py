@@ -18,5 +18,7 @@ WRITE_SECONDS = Counter("splitserve_kv_pool_write_seconds",
 BLOCKS_WRITTEN = Counter("splitserve_kv_pool_blocks_written", "KV blocks written to the pool")
 BLOCKS_SKIPPED = Counter("splitserve_kv_pool_blocks_skipped", "KV blocks not written: already in the pool")
 ERRORS = Counter("splitserve_kv_pool_errors", "KV pool reads or writes that failed, by reason", ["reason"])
+POOL_REDIS_UP = Gauge("splitserve_kv_pool_redis_up",
+                      "1 while the KV pool's own Redis link (deadline kvPool.readTimeoutSeconds) is up")
 POOL_BYTES = Gauge("splitserve_kv_pool_redis_bytes", "Memory the pool's Redis reports in use (bytes)")
 ERROR_REASONS = ("missing", "checksum", "header", "timeout", "redis", "dropped")

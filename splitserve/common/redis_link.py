@@ -45,16 +45,23 @@ async def connect(url: str, timeout: float = 1.0):
 
 
 class RedisLink:
-    def __init__(self, url: str, timeout: float = 1.0, retry_s: float = 1.0) -> None:
+    """`timeout` bounds each socket read and connect (a call gets twice it); `name` and `up_gauge` tell this
+    link apart from another the process keeps (the KV pool's bulk reads have a link of their own, with the
+    pool's read deadline, so a slow read of megabytes neither trips nor waits behind the registry's lease)."""
+
+    def __init__(self, url: str, timeout: float = 1.0, retry_s: float = 1.0, name: str = "redis",
+                 up_gauge: Gauge = REDIS_UP) -> None:
         self.url = url
         self.timeout = timeout
         self.retry_s = retry_s
+        self.name = name
+        self._gauge = up_gauge
         self._client = None
         self._task: asyncio.Task | None = None
         self._on_up: list[Callable[[], Awaitable[None]]] = []
         self.up = False
         self.failures = 0
-        REDIS_UP.set(0)
+        up_gauge.set(0)
 
     def client(self):
         return self._client if self.up else None
@@ -66,10 +73,11 @@ class RedisLink:
     def failed(self, error: BaseException) -> None:
         """A call failed: the link is down until the background task reconnects."""
         if self.up:
-            log.warning("redis at %s unreachable (%s: %s): going on without it", self.url, type(error).__name__, error)
+            log.warning("%s at %s unreachable (%s: %s): going on without it", self.name, self.url,
+                        type(error).__name__, error)
         self.up = False
         self.failures += 1
-        REDIS_UP.set(0)
+        self._gauge.set(0)
 
     async def start(self) -> None:
         await self._try_connect()
@@ -91,8 +99,8 @@ class RedisLink:
             return False
         if not self.up:
             self.up = True
-            REDIS_UP.set(1)
-            log.info("redis at %s reachable", self.url)
+            self._gauge.set(1)
+            log.info("%s at %s reachable", self.name, self.url)
             for cb in self._on_up:
                 try:
                     await cb()
@@ -136,4 +144,4 @@ class RedisLink:
                 pass
         await self._drop_client()
         self.up = False
-        REDIS_UP.set(0)
+        self._gauge.set(0)

@@ -227,3 +227,85 @@ def test_the_same_load_works_against_a_redis_cluster(smollm2_dir):
     finally:
         up.stop()
         cluster.close()
+
+
+def test_a_pool_read_held_up_past_the_worker_links_deadline_still_loads(smollm2_dir):
+    """Redis stalls (DEBUG SLEEP, as a loaded host stalls it) while a worker looks a prompt up in the pool.
+    A stall of 1.5 s is past the 1-s socket deadline of the worker's own Redis link, but the pool reads over a
+    link of its own whose deadline is `kvPool.readTimeoutSeconds` (5 s): the blocks load, the tokens are the
+    computed ones, and no link goes down. A stall past readTimeoutSeconds (1 s here) is abandoned: the prompt
+    is computed, counted as a timeout."""
+    import asyncio
+    import threading
+
+    from prometheus_client import REGISTRY
+
+    from splitserve.common.config import ClusterSpec
+    from splitserve.common.membership import StaticMembership
+    from splitserve.common.redis_link import RedisLink
+    from splitserve.common.redis_wire import Keys
+    from splitserve.common.worker_context import WorkerContext
+    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.kv_transfer.pool import make_pool
+
+    def sample(name: str, **labels) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    redis = RedisServer()
+    prompt = long_prompt(7, 200)
+    params = greedy(8, ignore_eos=True)
+    expected = make_engine(smollm2_dir).generate([prompt], params)[0]["token_ids"]
+
+    async def run(read_timeout: float, stall_s: float) -> tuple[list[int], int, list[bool]]:
+        # the pools never write on their own ("prefill" is not in writeFrom): the test writes the blocks
+        spec = ClusterSpec.model_validate({"kvPool": {"enabled": True, "writeFrom": ["decode"],
+                                                      "readTimeoutSeconds": read_timeout}})
+        keys = Keys(spec.model.served_name)
+        link = RedisLink(redis.url)  # the worker's own link, as a worker process makes it (1-s deadline)
+        await link.start()
+        ctx = WorkerContext("w", "i", "127.0.0.1", StaticMembership([], []), link, keys)
+        writer_engine, reader_engine = AsyncEngine(make_engine(smollm2_dir)), AsyncEngine(make_engine(smollm2_dir))
+        writer = await make_pool(spec, writer_engine, ctx, "prefill")
+        reader = await make_pool(spec, reader_engine, ctx, "prefill")
+        assert writer is not None and reader is not None and reader.link is not link
+        try:
+            async for _ in writer_engine.generate("w", prompt, greedy(1)):
+                pass
+            hashes = hash_token_blocks(prompt[:192], 16, writer_engine.facts.name)
+            assert await writer.write_blocks(hashes) == 12
+            stalled = threading.Event()
+
+            def stall() -> None:
+                stalled.set()
+                redis.cli("debug", "sleep", str(stall_s))  # Redis answers no one meanwhile
+
+            stalling = asyncio.create_task(asyncio.to_thread(stall))
+            await asyncio.to_thread(stalled.wait)
+            await asyncio.sleep(0.2)  # the DEBUG SLEEP reached Redis
+            tokens, loaded = [], 0
+            async for out in reader.generate("r", prompt, params):
+                tokens += out.new_token_ids
+                loaded = max(loaded, out.num_loaded_tokens)
+            await stalling
+            return tokens, loaded, [link.up, reader.link.up, link.failures == 0]
+        finally:
+            for pool in (writer, reader):
+                await pool.close()
+            await link.close()
+            writer_engine.shutdown()
+            reader_engine.shutdown()
+
+    try:
+        hits = sample("splitserve_kv_pool_hit_tokens_total")
+        tokens, loaded, links = asyncio.run(run(read_timeout=5.0, stall_s=1.5))
+        assert tokens == expected and loaded == 192
+        assert sample("splitserve_kv_pool_hit_tokens_total") - hits == 192
+        assert links == [True, True, True]
+
+        redis.cli("flushall")
+        timeouts = sample("splitserve_kv_pool_errors_total", reason="timeout")
+        tokens, loaded, _ = asyncio.run(run(read_timeout=1.0, stall_s=2.5))
+        assert tokens == expected and loaded == 0
+        assert sample("splitserve_kv_pool_errors_total", reason="timeout") - timeouts == 1
+    finally:
+        redis.close()
