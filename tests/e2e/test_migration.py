@@ -162,9 +162,11 @@ def test_a_drain_that_runs_out_of_time_moves_its_streams(trio):
         victim.update(busier(up))
         os.kill(victim["pid"], signal.SIGTERM)
 
-    moved = asyncio.run(run(up.url, requests, when_all_have=3, then=term))
-    assert_undisturbed(moved, undisturbed)
-    assert migrations(up, reason="drain", outcome="resumed") >= 1
+    with up.explained():  # a failure shows what the gateway and the workers logged, and every move's reason
+        moved = asyncio.run(run(up.url, requests, when_all_have=3, then=term))
+        assert_undisturbed(moved, undisturbed)
+        assert migrations(up, reason="drain", outcome="resumed") >= 1, {
+            k: v for k, v in scrape(up.url).items() if k.startswith("splitserve_router_migrations_total")}
     deadline = time.monotonic() + 30
     while _alive(victim["pid"]) and time.monotonic() < deadline:
         time.sleep(0.2)
