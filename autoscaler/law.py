@@ -40,7 +40,48 @@ SPILL_TAIL_MIN_DECODE = 3
 # one scale-down releases at most this share of a role's replicas (see `_step_down`)
 SCALE_DOWN_STEP = 0.5
 
-__all__ = ["ROLES", "ControllerState", "LawConfig", "RoleDecision", "RoleState", "ScalingDecision", "decide"]
+__all__ = ["ROLES", "ControllerState", "LawConfig", "RoleDecision", "RoleState", "ScalingDecision", "SmoothRegime",
+           "decide"]
+
+
+@dataclass(frozen=True)
+class SmoothRegime:
+    """What the law changes while the prompt load is smooth (`_smooth`: Azure conversation, Mooncake): it aims a
+    little lower and lets replicas go sooner, waits longer between scale-ups, fits its trend and its need over
+    less history, forecasts less growth, calls fewer queues a burst, lowers its utilisation ceiling and
+    stretches its stabilisation window less. The operator's settings (target utilisation, cooldowns) move by a
+    factor; the law's own are bounds, which a config already past keeps. Found by a random search over the
+    law's parameters (benchmarks/autoscaling_search.py), then checked on three seeds of every trace (issue 40's
+    sixth pass, docs/autoscaling.md). Loads that are not smooth (Azure code, the bursty trace) never see it."""
+
+    utilization_shift: float = -0.048  # added to the target utilisation and its band (0.8 -> 0.752)
+    scale_up_factor: float = 2.0  # the scale-up cooldown x this (30 s -> 60 s)
+    scale_down_factor: float = 2 / 3  # both roles' scale-down cooldown x this (300 s -> 200 s)
+    trend_window_s: float = 150.0  # at most
+    max_forecast_growth: float = 0.1  # at most
+    smoothing_s: float = 30.0  # at most
+    burst_queue_fraction: float = 0.75  # at least: a queue must drain slower to count as a burst
+    min_slo_factor: float = 0.85  # at least: SLO misses lower the target less
+    max_utilization: float = 0.9  # at most
+    max_hold_factor: float = 2.0  # at most
+    smooth_prefill_hold_s: float = 300.0  # at least
+    correction_gain: float = 0.1  # at most
+
+    def apply(self, c: LawConfig) -> LawConfig:
+        shift = max(self.utilization_shift, -c.low_utilization / 2)  # the band stays above 0
+        return replace(
+            c, target_utilization=c.target_utilization + shift, high_utilization=c.high_utilization + shift,
+            low_utilization=c.low_utilization + shift, scale_up_cooldown_s=c.scale_up_cooldown_s * self.scale_up_factor,
+            scale_down_cooldown_s=c.scale_down_cooldown_s * self.scale_down_factor,
+            trend_window_s=min(c.trend_window_s, self.trend_window_s),
+            max_forecast_growth=min(c.max_forecast_growth, self.max_forecast_growth),
+            smoothing_s=min(c.smoothing_s, self.smoothing_s),
+            burst_queue_fraction=max(c.burst_queue_fraction, self.burst_queue_fraction),
+            min_slo_factor=max(c.min_slo_factor, self.min_slo_factor),
+            max_utilization=min(c.max_utilization, self.max_utilization),
+            max_hold_factor=min(c.max_hold_factor, self.max_hold_factor),
+            smooth_prefill_hold_s=max(c.smooth_prefill_hold_s, self.smooth_prefill_hold_s),
+            correction_gain=min(c.correction_gain, self.correction_gain))
 
 
 @dataclass(frozen=True)
@@ -78,6 +119,7 @@ class LawConfig:
     smooth_cv: float = 0.6  # smooth: prompt tokens per SMOOTH_BIN_S vary less than this (coefficient of variation)
     smooth_prefill_hold_s: float = 180.0  # prefill's cooldown and base window while smooth (or 3 cold starts)
     floor_memory_s: float | None = None  # half-life of decode's learned floor (None: 6 x scale-down cooldown; 0: none)
+    smooth_regime: SmoothRegime | None = field(default_factory=SmoothRegime)  # while smooth (None: as otherwise)
 
     def __post_init__(self) -> None:
         if not 0 < self.low_utilization < self.target_utilization < self.high_utilization <= 1.0:
@@ -172,6 +214,8 @@ def decide(obs: Observation, state: ControllerState, config: LawConfig) -> Scali
         (obs.time, obs.prefill.input_tokens_per_s + obs.decode.input_tokens_per_s),)
     smooth = _smooth(load, config)
     n = needs(obs, config.profile, config.ttft_s, config.itl_s, decode_at_every_prompt=smooth)
+    if smooth and config.smooth_regime is not None:
+        config = config.smooth_regime.apply(config)
     if smooth:
         hold = max(config.smooth_prefill_hold_s, SMOOTH_HOLD_COLD_STARTS * config.cold_start_s)
         config = replace(config, prefill_scale_down_s=min(_base_hold("prefill", config), hold))

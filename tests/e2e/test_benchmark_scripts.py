@@ -122,3 +122,26 @@ def test_goodput_matrix_slices_traces_to_carry_and_checks_they_are_long_enough(t
     res = run_script("benchmarks/goodput_matrix.py", "--device", "cpu", "--shape", "tiny", "--engines", "native",
                      "--gpus", "1", "--trace-dir", str(tmp_path / "s"))
     assert res.returncode != 0 and "has 10 requests" in res.stderr, res.stderr
+
+
+def test_autoscaling_search_names_the_same_configs_and_reports_its_results():
+    """The law's parameter search: config i is the same draw on every machine (the committed results' first line
+    lists them), and `--report` counts, for each config with all eight runs, the shared traces' goals it meets."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import autoscaling_search as search
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    lines = [json.loads(line) for line in search.OUT.read_text().splitlines() if line.strip()]
+    assert {int(i): c for i, c in lines[0]["configs"].items()} == {int(i): search.config(int(i))
+                                                                  for i in lines[0]["configs"]}
+    runs: dict[int, set] = {}
+    for r in lines[1:]:
+        runs.setdefault(r["cfg"], set()).add((r["trace"], r["cold"]))
+    complete = [i for i, seen in runs.items() if len(seen) == len(search.RUNS)]
+    out = last_json(["benchmarks/autoscaling_search.py", "--report"])["search"]
+    assert out["configs_complete"] == len(complete) and out["configs_drawn"] == len(lines[0]["configs"])
+    shared = {f"{t}@{c:g}" for t, c in search.RUNS if t in search.SHARED}
+    assert set(out["defaults_meet"]) <= shared and len(out["defaults_meet"]) <= out["most_goals_met"]
+    assert all(len(goals) == out["most_goals_met"] and set(goals) <= shared
+               for goals in out["configs_meeting_most"].values())

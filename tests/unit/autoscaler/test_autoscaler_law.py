@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from splitserve.autoscaler.bounds import Bounds, clamp
-from splitserve.autoscaler.law import ControllerState, LawConfig, ScalingDecision, decide
+from splitserve.autoscaler.law import ControllerState, LawConfig, ScalingDecision, SmoothRegime, decide
 from splitserve.autoscaler.observations import Observation, Percentiles, RoleObservation
 from splitserve.autoscaler.planner import forecast, needs
 from splitserve.autoscaler.profile import ReplicaProfile, StepCost, capacity_at_slo
@@ -31,11 +31,13 @@ DECODE_TOK_S = 10 / 0.002  # batch of 10 (max_num_seqs): 2 ms a step
 
 def config(**kw) -> LawConfig:
     """The law with round numbers; the target utilisation stays at 0.8 unless a test lets slack raise it, and
-    the router spills nothing to decode unless a test says so (prefill's sizing is then its own arithmetic)."""
+    the router spills nothing to decode unless a test says so (prefill's sizing is then its own arithmetic).
+    Without the smooth regime unless a test asks for it: the tests' steady loads are smooth, and each tests a
+    mechanism's own arithmetic; the regime's tests ask for it (`SmoothRegime()`)."""
     base = dict(profile=PROFILE, bounds=Bounds(prefill_min=1, prefill_max=50, decode_min=1, decode_max=50),
                 ttft_s=2.0, itl_s=0.1, scale_up_cooldown_s=30.0, scale_down_cooldown_s=120.0,
                 planner_interval_s=60.0, cold_start_s=60.0, max_utilization=0.8, decode_compute_utilization=None,
-                spills=False)
+                spills=False, smooth_regime=None)
     base.update(kw)
     return LawConfig(**base)
 
@@ -179,14 +181,18 @@ def test_itl_miss_on_decode_scales_decode_only():
 
 
 def test_ttft_miss_caused_by_decode_admission_scales_decode_not_prefill():
-    cfg = config()
+    """TTFT misses while prefill has no queue and decode is full (seats and KV) with 40 requests held back:
+    decode scales up, prefill holds. The load before was smooth, where one window is noise (the smooth regime's
+    shorter trend): decode goes up at the second such window; without the regime, at the first."""
+    cfg = config(smooth_regime=SmoothRegime())
     stream = steady(0, 8, p=2, d=2, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S)
-    # TTFT misses, prefill has no queue, decode is full (seats and KV) with 40 requests held back
-    stream.append(obs(120, p=2, d=2, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S, ttft_p90=6.0,
-                      d_waiting=40, d_running=20, kv=0.95))
-    last = run(stream, cfg)[-1]
-    assert last.decode.action == "up"
-    assert last.prefill.action == "hold", last.prefill.reason
+    stream += [obs(t, p=2, d=2, prefill_tok_s=1.0 * PREFILL_TOK_S, out_tok_s=1.0 * DECODE_TOK_S, ttft_p90=6.0,
+                   d_waiting=40, d_running=20, kv=0.95) for t in (120, 135)]
+    first, second = run(stream, cfg)[-2:]
+    assert (first.decode.action, second.decode.action) == ("hold", "up"), (first.decode, second.decode)
+    assert first.prefill.action == second.prefill.action == "hold", (first.prefill.reason, second.prefill.reason)
+    at_once = run(stream[:-1], replace(cfg, smooth_regime=None))[-1]
+    assert at_once.decode.action == "up" and at_once.prefill.action == "hold", at_once
 
 
 def test_starting_replicas_are_counted_so_a_burst_is_not_answered_twice():
@@ -247,6 +253,32 @@ def test_a_smooth_load_lets_prefill_scale_down_sooner_than_a_bursty_one():
     slow = config(scale_down_cooldown_s=300.0, smooth_prefill_hold_s=180.0, cold_start_s=90.0)
     downs = [d for d in run(smooth, slow) if d.prefill.action == "down"]
     assert downs and 270 <= downs[0].time < 300, [d.time for d in downs]
+
+
+def test_a_smooth_load_lets_decode_go_after_two_thirds_of_the_cooldown():
+    """The smooth regime: on a smooth load whose need halved, decode's first scale-down comes after 2/3 of the
+    scale-down cooldown (200 s of 300), and after all of it without the regime or when the load is clumps. The
+    operator's settings move by its factors; its bounds leave a config already past them as it is."""
+    cfg = config(scale_down_cooldown_s=300.0, smooth_regime=SmoothRegime())
+    kw = dict(p=2, prefill_tok_s=1.0 * PREFILL_TOK_S)
+    smooth = [obs(15 * i, d=6, out_tok_s=2.0 * DECODE_TOK_S, **kw) for i in range(40)]
+    clumps = [obs(15 * i, d=6, out_tok_s=(4.0 if i % 2 else 0.0) * DECODE_TOK_S, p=2,
+                  prefill_tok_s=(2.0 if i % 2 else 0.0) * PREFILL_TOK_S) for i in range(40)]
+
+    def first_down(stream: list[Observation], c: LawConfig) -> float:
+        downs = [d.time for d in run(stream, c) if d.decode.action == "down"]
+        assert downs
+        return downs[0]
+
+    assert 200 <= first_down(smooth, cfg) < 300 <= first_down(smooth, replace(cfg, smooth_regime=None))
+    assert first_down(clumps, cfg) >= 300
+    regime = SmoothRegime()
+    stricter = regime.apply(replace(cfg, max_utilization=0.8, smoothing_s=15.0, burst_queue_fraction=0.9))
+    assert (stricter.max_utilization, stricter.smoothing_s, stricter.burst_queue_fraction) == (0.8, 15.0, 0.9)
+    loose = regime.apply(replace(cfg, max_utilization=0.95, smoothing_s=60.0, burst_queue_fraction=0.5))
+    assert (loose.max_utilization, loose.smoothing_s, loose.burst_queue_fraction) == (0.9, 30.0, 0.75)
+    assert loose.scale_down_cooldown_s == pytest.approx(200.0) and loose.scale_up_cooldown_s == 60.0
+    assert loose.target_utilization == pytest.approx(0.752) and loose.low_utilization > 0
 
 
 def test_a_smooth_load_counts_decodes_spare_compute_as_prefill_capacity():
