@@ -255,9 +255,9 @@ class AutoscalingSpec(Spec):
     interval_seconds: Seconds = 15.0
     """How often the autoscaler decides."""
     scale_up_cooldown_seconds: Annotated[float, Field(ge=0)] = 30.0
-    """Least time between two scale-ups of a role."""
+    """Least time between two scale-ups of a role (twice this while the prompt load is smooth)."""
     scale_down_cooldown_seconds: Annotated[float, Field(ge=0)] = 300.0
-    """Least time after any change before a role scales down, and the stabilisation window: a trough shorter than this keeps its replicas. Under 60 s it is also the window the need is averaged over, so a trough this long does release them."""
+    """Least time after any change before a role scales down, and the stabilisation window: a trough shorter than this keeps its replicas. Under 60 s it is also the window the need is averaged over, so a trough this long does release them. While the prompt load is smooth the law waits 2/3 of this."""
     gpu_budget: Annotated[int, Field(ge=1)] | None = None
     """Most GPUs the cluster's workers may hold together; none: no cap."""
     cold_start_seconds: Seconds | None = None
@@ -271,7 +271,7 @@ class AutoscalingSpec(Spec):
     planner_interval_seconds: Seconds = 60.0
     """How often the slow loop re-plans each pool from the forecast load (the fast loop runs every interval)."""
     target_utilization: Annotated[float, Field(gt=0.2, le=0.9)] = 0.8
-    """Fraction of a replica's capacity at the SLO (its prefill or decode tokens/s within the TTFT/ITL objectives) a role is sized to fill: replicas = ceil(need / target). A role scales up when its planned need exceeds target + 0.1 of its replicas and down when under target - 0.2. The autoscaler lowers it while a role misses its objectives (to 0.7x) and raises it while well inside (up to 0.95); prefill's is also capped by the queueing the TTFT objective allows."""
+    """Fraction of a replica's capacity at the SLO (its prefill or decode tokens/s within the TTFT/ITL objectives) a role is sized to fill: replicas = ceil(need / target). A role scales up when its planned need exceeds target + 0.1 of its replicas and down when under target - 0.2. The autoscaler lowers it while a role misses its objectives (to 0.7x) and raises it while well inside (up to 0.95); prefill's is also capped by the queueing the TTFT objective allows. While the prompt load is smooth the law aims 0.048 lower."""
 
 
 class SecretKeyRef(Spec):
