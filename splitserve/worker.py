@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -80,6 +81,11 @@ STOP_GRACE_SECONDS = 2.0  # after the drain: for the last messages of moved stre
 ROLES: dict[str, RoleBuilder] = {"prefill": build_prefill, "decode": build_decode, "both": build_colocated}
 
 
+@dataclass
+class _Stream:
+    in_engine: bool = False  # waiting for the engine's next chunk (else the server is sending the last one)
+
+
 class Worker:
     """A worker's calls (the `WorkerHandler` its gRPC server serves) and where it stands: loading (no service
     yet), ready, draining, changing role (a flip), dead (its engine stopped). Calls go to the role's service;
@@ -97,7 +103,7 @@ class Worker:
         self.draining = False
         self.switching = False  # a flip is under way: nothing new is taken
         self._was_healthy = False
-        self._streams: set[asyncio.Task] = set()  # the generate calls in flight
+        self._streams: dict[asyncio.Task, _Stream] = {}  # the generate calls in flight
         self._moved: set[asyncio.Task] = set()  # those ended by the drain's end (moved to another worker)
         self._flip: asyncio.Future[FlipReply] | None = None  # the flip under way (or the last one)
         self._flip_target = ""
@@ -135,28 +141,47 @@ class Worker:
         handler = self._serving("generate")
         self.outstanding += 1
         task = asyncio.current_task()
-        self._streams.add(task)
+        stream = _Stream()
+        self._streams[task] = stream
+        chunks = handler(call)
         try:
-            async for chunk in handler(call):
+            while True:
+                stream.in_engine = True
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    return
+                finally:
+                    stream.in_engine = False
                 yield chunk
+                if task in self._moved:  # moved while the server was sending that chunk: end it here
+                    await chunks.aclose()  # the engine lets the request go
+                    yield self._moved_chunk(call)
+                    return
         except asyncio.CancelledError:
             if task not in self._moved:
                 raise
-            # the drain ran out of time: the request ends here and the gateway moves it to another worker
-            why = "changing role" if self.switching else "stopping"
-            yield GenerateChunk(call.request_id, [], finished=True, finish_reason="error",
-                                error=f"the worker is {why}: its drain time ran out", retry=RetryReason.DRAIN)
+            yield self._moved_chunk(call)
         finally:
-            self._streams.discard(task)
+            self._streams.pop(task, None)
             self._moved.discard(task)
             self.outstanding -= 1
 
+    def _moved_chunk(self, call: GenerateCall) -> GenerateChunk:
+        """The drain ran out of time: the request ends here and the gateway moves it to another worker."""
+        why = "changing role" if self.switching else "stopping"
+        return GenerateChunk(call.request_id, [], finished=True, finish_reason="error",
+                             error=f"the worker is {why}: its drain time ran out", retry=RetryReason.DRAIN)
+
     def move_streams(self) -> int:
         """The drain ran out of time: end every stream still running with a retryable error (the gateway
-        continues each elsewhere). Returns how many."""
-        for task in self._streams:
+        continues each elsewhere). Returns how many. A stream waiting on the engine is cancelled there; one
+        whose last chunk the server is still sending is not (a cancel would land in the server's write and
+        end the call with no reason): it ends when the server asks for its next chunk."""
+        for task, stream in self._streams.items():
             self._moved.add(task)
-            task.cancel()
+            if stream.in_engine:
+                task.cancel()
         return len(self._streams)
 
     async def prefill(self, call: PrefillCall) -> PrefillReply:
