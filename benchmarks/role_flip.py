@@ -88,7 +88,8 @@ async def streams(url: str, n: int, max_tokens: int, round_: int, when: int, the
                     reached.set()
 
     async def trigger() -> None:
-        await asyncio.wait_for(reached.wait(), 600)
+        async with asyncio.timeout(600):
+            await reached.wait()
         then()
 
     async with httpx.AsyncClient(timeout=600, trust_env=False) as client:

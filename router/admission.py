@@ -46,7 +46,8 @@ class Admission:
         self._waiters.append(fut)
         self._publish()
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await asyncio.shield(fut)
         except TimeoutError:
             if fut.done() and not fut.cancelled():  # handed a seat at the last moment: give it back
                 self._release_seat()

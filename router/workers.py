@@ -134,7 +134,8 @@ class WorkerSet:
         if self._changed is None:
             self._changed = asyncio.Event()
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
         except TimeoutError:
             pass
 

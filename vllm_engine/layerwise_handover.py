@@ -200,7 +200,8 @@ class VllmLayerwisePrefillHandover:
             except (TimeoutError, httpx.HTTPError, VllmProtocolError) as e:
                 raise HandoverFailed(f"vLLM prefill: {type(e).__name__}: {e}") from None
             computed = time.monotonic()
-            ok, nbytes, reason = await asyncio.wait_for(sent, max(0.0, t.deadline - now()) + GRACE_S)
+            async with asyncio.timeout(max(0.0, t.deadline - now()) + GRACE_S):
+                ok, nbytes, reason = await sent
         except TimeoutError:
             LAYERWISE.labels("send_failed").inc()
             log.warning("the KV of %s: no word from the connector by its deadline (its decode server recomputes)",

@@ -34,6 +34,7 @@ class Latch(threading.Event):
                 return True
             self._callbacks.append(wake)
         try:
-            return await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):
+                return await fut
         except TimeoutError:
             return self.is_set()

@@ -90,8 +90,10 @@ class RedisLink:
             await self._drop_client()
         try:
             if self._client is None:
-                self._client = await asyncio.wait_for(connect(self.url, self.timeout), 3 * self.timeout)
-            await asyncio.wait_for(self._client.ping(), 2 * self.timeout)
+                async with asyncio.timeout(3 * self.timeout):
+                    self._client = await connect(self.url, self.timeout)
+            async with asyncio.timeout(2 * self.timeout):
+                await self._client.ping()
         except Exception as e:  # noqa: BLE001 - unreachable, refused, timed out, loading: try later
             await self._drop_client()
             if self.up:
@@ -130,7 +132,8 @@ class RedisLink:
         if client is None:
             return default
         try:
-            return await asyncio.wait_for(fn(client), 2 * self.timeout)
+            async with asyncio.timeout(2 * self.timeout):
+                return await fn(client)
         except unreachable_errors() as e:
             self.failed(e)
             return default

@@ -1,5 +1,5 @@
-"""Errors that say what failed: a Redis link degrades only when Redis cannot be reached (a bug raises), and an
-unknown or misspelled routing setting is refused with one line naming it."""
+"""Errors that say what failed: a Redis link degrades only when Redis cannot be reached (a bug raises) and never
+keeps a cancelled caller going, and an unknown or misspelled routing setting is refused with one line naming it."""
 
 from __future__ import annotations
 
@@ -37,6 +37,36 @@ def test_a_call_redis_answers_with_an_error_raises_and_keeps_the_link_up(redis):
                 await link.call(lambda r: r.get())  # a bug in the caller
             assert link.up and link.failures == 0
             assert await link.call(lambda r: r.get("k")) == b"v"
+        finally:
+            await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancel_that_lands_as_a_call_is_answered_still_ends_the_caller(redis):
+    """The gateway's loops call Redis through the link and end when cancelled. A cancel that lands in the same turn
+    as the call's answer must end the caller too: Python 3.11's wait_for returned the answer and dropped such a
+    cancel, the loop went on, and a gateway sent SIGTERM never exited."""
+    async def main() -> None:
+        link = await _link(redis.url)
+        answer = asyncio.get_running_loop().create_future()
+
+        async def slow(r) -> str:
+            await r.set("asked", "1")
+            return await answer
+
+        try:
+            caller = asyncio.get_running_loop().create_task(link.call(slow))
+            for _ in range(200):
+                if await link.call(lambda r: r.get("asked")) == b"1":
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # the caller now waits on its answer
+            answer.set_result("answered")
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            assert link.up and await link.call(lambda r: r.get("asked")) == b"1"
         finally:
             await link.close()
 
