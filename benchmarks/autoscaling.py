@@ -340,7 +340,9 @@ REBALANCE_COLD_STARTS = (20.0, 150.0)  # s: the engines' cold starts on an H200 
 REBALANCE_POLICIES = ("slo", "slo_warm2", "ray", "wva", "dynamo")  # slo_warm2: warmReplicas 2 (an operator's margin)
 # the bursty trace's goal is the law's GPU-seconds at 95% of feasible requests, against the onset-blind reference's
 # (--bound --rebalance): the law's frontier, its operator's margin (warmReplicas) raised until it crosses 95%
-FRONTIER_POLICIES = ("slo_warm3", "slo_warm4", "slo_warm6", "slo_warm8")
+# and the law holding its level through bursts (autoscaling.bursts hold) with warm replicas per role, slo_holdPxD
+FRONTIER_POLICIES = ("slo_warm3", "slo_warm4", "slo_warm6", "slo_warm8", "slo_hold8x4", "slo_hold10x6", "slo_hold11x7",
+                     "slo_hold12x7", "slo_hold13x8")
 BOUND_GOAL_FACTOR = 1.05  # the bursty trace's goal: within this x the reference's GPU-seconds at 95%
 GOAL_COST = 1.15  # GPU-seconds x the oracle's the goal allows (Azure conversation, Mooncake, Azure code)
 
@@ -355,6 +357,10 @@ def task_rebalance(case: TraceCase, duration: float | None, gpus: int, policy: s
     exp = experiment(case, duration, gpus, cold_start_s=cold_start_s, flips=flips)
     law, _, warm = policy.partition("_warm")  # slo_warmN: the law with N warm replicas per role
     exp.spec.autoscaling.warm_replicas = int(warm or 0)
+    law, _, hold = law.partition("_hold")  # slo_holdPxD: bursts held, P and D warm replicas
+    if hold:
+        a = exp.spec.autoscaling
+        a.bursts, (a.warm_prefill_replicas, a.warm_decode_replicas) = "hold", map(int, hold.split("x"))
     t0 = time.perf_counter()
     res = simulate(exp.requests, settings_of(exp), exp.law(law), initial)
     return summary(res) | {"policy": policy, "cold_start_s": cold_start_s, "flips": flips, "role_flips": res.flips,

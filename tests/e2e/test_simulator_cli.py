@@ -55,3 +55,33 @@ def test_the_docs_examples_run(tmp_path):
             assert {"slo_attainment", "gpu_seconds", "oracle_gpu_seconds", "requests"} <= set(out)
         if "--plot" in args:
             assert (tmp_path / "timelines.png").stat().st_size > 0
+
+
+def test_simulate_takes_held_bursts_and_warm_replicas_per_role(tmp_path):
+    """`--bursts` and the per-role warm replicas reach the law: each changes what the run costs. The trace is
+    clumpy (a request a second, and every 40 s a clump of 60 in 3 s), so its load is never smooth and a held
+    law starts nothing for a clump. A value the config refuses is one line naming the flag's field."""
+    prof = tmp_path / "toy.json"
+    PROFILE.save(prof)
+    trace = tmp_path / "clumps.csv"
+    rows = [(float(t), 600, 40) for t in range(600)]
+    rows += [(40.0 * k + i * 0.05, 2000, 40) for k in range(1, 15) for i in range(60)]
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                     + "".join(f"{t},{p},{d}\n" for t, p, d in sorted(rows)))
+    base = [sys.executable, "-m", "splitserve.cli", "simulate", "--trace", str(trace), "--profile", str(prof),
+            "--gpus", "16", "--policy", "slo", "--slo-ttft", "1", "--slo-itl", "0.05", "--model-load-seconds", "60",
+            "--json"]
+
+    def gpu_seconds(*extra: str) -> float:
+        res = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])["gpu_seconds"]
+
+    plain = gpu_seconds()
+    warm = gpu_seconds("--warm-prefill-replicas", "3", "--warm-decode-replicas", "0")
+    held = gpu_seconds("--warm-prefill-replicas", "3", "--warm-decode-replicas", "0", "--bursts", "hold")
+    assert warm > plain
+    assert held != warm
+    res = subprocess.run([*base, "--bursts", "sometimes"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "bursts" in res.stderr and "sometimes" in res.stderr, res.stderr

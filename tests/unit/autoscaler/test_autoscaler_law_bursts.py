@@ -1,11 +1,13 @@
 """The law's answers to bursts, on hand-made metric streams (the toy profile of test_autoscaler_law.py: a prefill
 replica computes ~9,900 prompt tokens/s): the burst memory that keeps capacity for bursts that recur, regret only
-for a scale-down a cold start could not undo, a clump the ready prefill replicas clear, and prefill's queue budget.
+for a scale-down a cold start could not undo, a clump the ready prefill replicas clear, prefill's queue budget, and
+bursts held (each role at its median need and its warm replicas) instead of chased.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -182,3 +184,50 @@ def test_decode_learns_a_floor_from_a_burst_after_a_scale_down():
     assert kept[-1].time - up.time >= 900
     assert kept[-1].decode.desired == 3  # 900 s on, the floor has decayed to 3 * 0.5 ** (900 / 3600) = 2.5
     assert gone[-1].decode.desired == 2
+
+
+def clumpy(n: int, base: float = 1.6, clump: float = 8.0, every: int = 4) -> list[Observation]:
+    """A prompt load that is never smooth: `base` prefill replicas' load, and every `every`-th window a clump of
+    `clump` replicas' that queues and misses the TTFT objective."""
+    return [obs(15 * i, p=2, prefill_tok_s=clump * PREFILL_TOK_S, queue_tokens=300_000, queued=300, ttft_p90=4.0, **KW)
+            if i % every == every - 1 else obs(15 * i, p=2, prefill_tok_s=base * PREFILL_TOK_S, **KW)
+            for i in range(n)]
+
+
+def test_held_bursts_keep_each_role_at_its_median_need_plus_its_warm_replicas():
+    """bursts: hold on a load that is not smooth. Prefill holds its median need (the base load, 1.6 replicas) at
+    its utilisation plus 3 warm replicas, decode its own plus 1, and no clump starts a replica; the same law
+    chasing the clumps (the same warm replicas) scales prefill up for the first one and keeps it."""
+    stream = clumpy(40)
+    held = run(stream, config(hold_bursts=True, warm_prefill=3, warm_decode=1))
+    chased = run(stream, config(warm_prefill=3, warm_decode=1))
+    for d in held:
+        u = d.prefill.utilization
+        median = statistics.median(v for _, v in d.state.prefill.history)
+        assert median == pytest.approx(1.6, rel=0.02)
+        assert d.prefill.desired == math.ceil(median / u - 1e-9) + 3, d.prefill.reason
+        assert d.decode.desired == math.ceil(1.0 / d.decode.utilization - 1e-9) + 1, d.decode.reason
+        assert d.prefill.reason.startswith(f"level {d.prefill.desired}: median need")
+    assert max(d.prefill.desired for d in held) <= 6
+    assert chased[3].prefill.action == "up" and chased[3].prefill.desired >= 12  # the first clump's window
+    assert chased[-1].prefill.desired >= 12
+
+
+def test_held_bursts_leave_a_smooth_load_to_the_law():
+    """On a smooth load there is no burst to hold: the law with bursts held decides exactly as the law."""
+    stream = steady(0, 30, p=2, prefill_tok_s=1.6 * PREFILL_TOK_S, **KW)
+    stream.append(obs(450, p=2, prefill_tok_s=2.4 * PREFILL_TOK_S, queue_tokens=300_000, queued=300, ttft_p90=4.0,
+                      **KW))
+    held = run(stream, config(hold_bursts=True, warm_replicas=1))
+    plain = run(stream, config(warm_replicas=1))
+    assert [(d.prefill.desired, d.decode.desired, d.prefill.reason) for d in held[8:]] == \
+        [(d.prefill.desired, d.decode.desired, d.prefill.reason) for d in plain[8:]]
+    assert held[-1].prefill.action == "up"  # the queue on a smooth load is still answered
+
+
+def test_a_role_s_own_warm_replicas_replace_the_shared_setting():
+    stream = steady(0, 30, p=2, d=2, prefill_tok_s=1.6 * PREFILL_TOK_S, out_tok_s=1.6 * DECODE_TOK_S)
+    last = run(stream, config(warm_replicas=2, warm_decode=0))[-1]
+    assert last.replicas == {"prefill": 4, "decode": 2}
+    last = run(stream, config(warm_prefill=1))[-1]
+    assert last.replicas == {"prefill": 3, "decode": 2}
