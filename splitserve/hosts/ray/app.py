@@ -316,11 +316,32 @@ def run(resource: ClusterResource, host: str, address: str | None = None, num_cp
     finally:
         log.info("stopping: the workers drain")
         if address:
-            serve.delete(name)
+            grace = max(spec.prefill.drain_seconds, spec.decode.drain_seconds) + 10.0  # deployment_options'
+            _delete(name, grace + 30.0)
         else:
             serve.shutdown()
         ray.shutdown()
         log.info("all components stopped")
+
+
+def _delete(name: str, timeout_s: float) -> bool:
+    """Delete the application from a cluster that stays, and wait until Serve reports it gone: up to `timeout_s`
+    (its workers' drain and exit). Serve's own blocking delete gives up after 60 s with a traceback, sooner than
+    a worker may drain (`graceful_shutdown_timeout_s`: drainSeconds + 10 s)."""
+    serve.delete(name, _blocking=False)
+    start = time.monotonic()
+    next_report = start + 15.0
+    while time.monotonic() - start < timeout_s:
+        app = serve.status().applications.get(name)
+        if app is None or app.status == "NOT_STARTED":
+            return True
+        if time.monotonic() >= next_report:
+            next_report += 15.0
+            log.info("stopping: application %s still %s", name, app.status)
+        time.sleep(0.5)
+    log.error("application %s was not gone %.0f s after it was deleted; Serve stops its replicas itself", name,
+              timeout_s)
+    return False
 
 
 def _wait_ready(name: str, base: str, stopping: list[bool]) -> bool:
