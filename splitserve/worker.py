@@ -84,6 +84,7 @@ ROLES: dict[str, RoleBuilder] = {"prefill": build_prefill, "decode": build_decod
 @dataclass
 class _Stream:
     in_engine: bool = False  # waiting for the engine's next chunk (else the server is sending the last one)
+    moved: bool = False  # ended by the drain's end (moved to another worker)
 
 
 class Worker:
@@ -104,7 +105,6 @@ class Worker:
         self.switching = False  # a flip is under way: nothing new is taken
         self._was_healthy = False
         self._streams: dict[asyncio.Task, _Stream] = {}  # the generate calls in flight
-        self._moved: set[asyncio.Task] = set()  # those ended by the drain's end (moved to another worker)
         self._flip: asyncio.Future[FlipReply] | None = None  # the flip under way (or the last one)
         self._flip_target = ""
 
@@ -154,17 +154,16 @@ class Worker:
                 finally:
                     stream.in_engine = False
                 yield chunk
-                if task in self._moved:  # moved while the server was sending that chunk: end it here
+                if stream.moved:  # moved while the server was sending that chunk: end it here
                     await chunks.aclose()  # the engine lets the request go
                     yield self._moved_chunk(call)
                     return
         except asyncio.CancelledError:
-            if task not in self._moved:
+            if not stream.moved:
                 raise
             yield self._moved_chunk(call)
         finally:
             self._streams.pop(task, None)
-            self._moved.discard(task)
             self.outstanding -= 1
 
     def _moved_chunk(self, call: GenerateCall) -> GenerateChunk:
@@ -179,7 +178,7 @@ class Worker:
         whose last chunk the server is still sending is not (a cancel would land in the server's write and
         end the call with no reason): it ends when the server asks for its next chunk."""
         for task, stream in self._streams.items():
-            self._moved.add(task)
+            stream.moved = True
             if stream.in_engine:
                 task.cancel()
         return len(self._streams)

@@ -316,7 +316,7 @@ def run(resource: ClusterResource, host: str, address: str | None = None, num_cp
     finally:
         log.info("stopping: the workers drain")
         if address:
-            grace = max(spec.prefill.drain_seconds, spec.decode.drain_seconds) + 10.0  # deployment_options'
+            grace = max(o.get("graceful_shutdown_timeout_s", 0.0) for o in deployment_options(resource).values())
             _delete(name, grace + 30.0)
         else:
             serve.shutdown()
