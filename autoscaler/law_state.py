@@ -13,7 +13,7 @@ from typing import Any
 ROLES = ("prefill", "decode")
 STATE_VERSION = 1  # bump when a field changes meaning; an older or newer state is refused, not guessed at
 _TIMES = ("last_up", "last_change", "planned_at", "last_down", "last_burst", "peak_at", "floor_at")  # s; -inf = never (null in JSON)
-_SERIES = ("history", "recent")  # [[s, value], ...]
+_SERIES = ("history", "recent", "levels")  # [[s, value], ...]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class RoleState:
     down_from: int = 0  # replicas the role had before its last scale-down
     floor: float = 0.0  # replicas a burst after a scale-down proved standing (decode), learned at floor_at; decays
     floor_at: float = -math.inf  # s
+    levels: tuple[tuple[float, float], ...] = ()  # (s, need in replicas) over the level window (bursts held)
 
 
 @dataclass(frozen=True)

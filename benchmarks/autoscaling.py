@@ -337,7 +337,9 @@ def robustness(names: list[str], duration: float | None, gpus: int, jobs: int, p
 
 
 REBALANCE_COLD_STARTS = (20.0, 150.0)  # s: the engines' cold starts on an H200 (native, vllm; the profile's)
-REBALANCE_POLICIES = ("slo", "slo_warm2", "ray", "wva", "dynamo")  # slo_warm2: warmReplicas 2 (an operator's margin)
+# slo_warm2: warmReplicas 2 (an operator's margin); slo_hold6x4: bursts held (autoscaling.bursts hold) with 6 prefill
+# and 4 decode warm replicas, Azure code's setting
+REBALANCE_POLICIES = ("slo", "slo_warm2", "slo_hold6x4", "ray", "wva", "dynamo")
 # the bursty trace's goal is the law's GPU-seconds at 95% of feasible requests, against the onset-blind reference's
 # (--bound --rebalance): the law's frontier, its operator's margin (warmReplicas) raised until it crosses 95%
 # and the law holding its level through bursts (autoscaling.bursts hold) with warm replicas per role, slo_holdPxD
@@ -443,9 +445,13 @@ def rebalance_goals(results: dict[str, Any]) -> dict[str, Any]:
                               "gpu_seconds_vs_oracle": ours["gpu_seconds_vs_oracle"],
                               "better_than": {p: better(ours, x, cost_goal) for p, x in runs.items()
                                               if not p.startswith("slo")}}
-                if cost_goal is not None:
-                    goals[key]["goal_met"] = (ours["feasible_attainment"] >= TARGET
-                                              and ours["gpu_seconds_vs_oracle"] <= cost_goal)
+                if cost_goal is not None:  # met by the law as it is, or by one of its settings (an operator's choice)
+                    met_by = [p for p, x in runs.items() if p.startswith("slo") and x["feasible_attainment"] >= TARGET
+                              and x["gpu_seconds_vs_oracle"] <= cost_goal]
+                    goals[key] |= {"goal_met": bool(met_by), "met_by": met_by}
+                    if met_by and met_by[0] != "slo":
+                        goals[key]["better_than_" + met_by[0]] = {p: better(runs[met_by[0]], x, cost_goal)
+                                                                  for p, x in runs.items() if not p.startswith("slo")}
                 elif reference is not None:  # the law's margin raised until it crosses 95%, against the reference
                     law_at = frontier_at([x for p, x in runs.items() if p.startswith("slo")])
                     ref_at = reference.get(f"{c:g}")

@@ -273,7 +273,7 @@ class AutoscalingSpec(Spec):
     warm_decode_replicas: Count | None = None
     """Decode's warm replicas, instead of warmReplicas; none: warmReplicas."""
     bursts: Literal["chase", "hold"] = "chase"
-    """chase: a burst scales the role it loads up at once, and its capacity is kept a while in case it recurs. hold: while the prompt load is not smooth, each role holds its median need over the last 300 s plus its warm replicas, and no replica is started for a burst. Hold is for bursts shorter than a cold start, which a replica started for them reaches after they end (a vLLM engine's 150 s): with warm replicas sized for the bursts it serves as many for fewer GPU-seconds (docs/autoscaling.md, issue 40's seventh pass). With few warm replicas every burst misses."""
+    """chase: a burst scales the role it loads up at once, and its capacity is kept a while in case it recurs. hold: while the prompt load is not smooth, each role holds the 60% quantile of its need over the last 900 s (a higher one while those 900 s fill, from the largest need seen) plus its warm replicas, and no replica is started for a burst. Hold is for bursts shorter than a cold start, which a replica started for them reaches after they end: with warm replicas sized for the bursts it serves as many for fewer GPU-seconds (Azure code: 6 prefill + 4 decode; docs/autoscaling.md, issue 40's seventh and eighth passes). With few warm replicas every burst misses."""
     planner_interval_seconds: Seconds = 60.0
     """How often the slow loop re-plans each pool from the forecast load (the fast loop runs every interval)."""
     target_utilization: Annotated[float, Field(gt=0.2, le=0.9)] = 0.8

@@ -1,18 +1,17 @@
 """The law's answers to bursts, on hand-made metric streams (the toy profile of test_autoscaler_law.py: a prefill
 replica computes ~9,900 prompt tokens/s): the burst memory that keeps capacity for bursts that recur, regret only
 for a scale-down a cold start could not undo, a clump the ready prefill replicas clear, prefill's queue budget, and
-bursts held (each role at its median need and its warm replicas) instead of chased.
+bursts held (each role at a quantile of its need and its warm replicas) instead of chased.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import replace
 
 import pytest
 
-from splitserve.autoscaler.law import ControllerState, decide
+from splitserve.autoscaler.law import LEVEL_QUANTILE, LEVEL_WINDOW_S, ControllerState, decide
 from splitserve.autoscaler.observations import Observation, Percentiles
 from unit.autoscaler.test_autoscaler_law import DECODE_TOK_S, PREFILL_TOK_S, config, obs, run, steady
 
@@ -194,23 +193,41 @@ def clumpy(n: int, base: float = 1.6, clump: float = 8.0, every: int = 4) -> lis
             for i in range(n)]
 
 
-def test_held_bursts_keep_each_role_at_its_median_need_plus_its_warm_replicas():
-    """bursts: hold on a load that is not smooth. Prefill holds its median need (the base load, 1.6 replicas) at
-    its utilisation plus 3 warm replicas, decode its own plus 1, and no clump starts a replica; the same law
-    chasing the clumps (the same warm replicas) scales prefill up for the first one and keeps it."""
-    stream = clumpy(40)
+def test_held_bursts_keep_each_role_at_a_quantile_of_its_need_plus_its_warm_replicas():
+    """bursts: hold on a load that is not smooth. Once the level window is full, prefill holds the 60% quantile
+    of its need over it (the base load, 1.6 replicas: a quarter of the windows are clumps) at its utilisation
+    plus 3 warm replicas, decode its own plus 1, and no clump starts a replica; the same law chasing the clumps
+    (the same warm replicas) scales prefill up for the first one and keeps it."""
+    stream = clumpy(90)
     held = run(stream, config(hold_bursts=True, warm_prefill=3, warm_decode=1))
     chased = run(stream, config(warm_prefill=3, warm_decode=1))
-    for d in held:
-        u = d.prefill.utilization
-        median = statistics.median(v for _, v in d.state.prefill.history)
-        assert median == pytest.approx(1.6, rel=0.02)
-        assert d.prefill.desired == math.ceil(median / u - 1e-9) + 3, d.prefill.reason
+    full = [d for d in held if d.time >= LEVEL_WINDOW_S]
+    assert len(full) >= 20
+    for d in full:
+        levels = [v for _, v in d.state.prefill.levels]
+        assert d.time - d.state.prefill.levels[0][0] == pytest.approx(LEVEL_WINDOW_S - 15)
+        level = sorted(levels)[int(LEVEL_QUANTILE * len(levels))]
+        assert level == pytest.approx(1.6, rel=0.02)
+        assert d.prefill.desired == math.ceil(level / d.prefill.utilization - 1e-9) + 3, d.prefill.reason
         assert d.decode.desired == math.ceil(1.0 / d.decode.utilization - 1e-9) + 1, d.decode.reason
-        assert d.prefill.reason.startswith(f"level {d.prefill.desired}: median need")
-    assert max(d.prefill.desired for d in held) <= 6
+        assert d.prefill.reason.startswith(f"level {d.prefill.desired}: need 1.6")
+    assert max(d.prefill.desired for d in full) <= 6
     assert chased[3].prefill.action == "up" and chased[3].prefill.desired >= 12  # the first clump's window
     assert chased[-1].prefill.desired >= 12
+
+
+def test_a_held_level_starts_at_the_largest_need_seen_and_settles_as_its_window_fills():
+    """While the level window fills, the quantile runs from the largest need seen down to LEVEL_QUANTILE: after
+    the first clump (at 45 s) prefill holds the clump's need, and it keeps holding it while clumps are more than
+    the quantile's share of a window that is still short (a quarter of the windows are clumps: until the
+    quantile falls under 75%, at 562 s), then falls to the base load's level, never to rise again."""
+    held = run(clumpy(90), config(hold_bursts=True, warm_prefill=3, warm_decode=1))
+    by_time = {d.time: d.prefill.desired for d in held}
+    assert by_time[0] == by_time[30] <= 6  # no clump seen yet
+    assert by_time[45] >= 12  # the first clump's need, held
+    assert all(by_time[t] >= 12 for t in by_time if 45 <= t <= 540)
+    settled = [by_time[t] for t in by_time if t >= 600]
+    assert max(settled) <= 6 and len(set(settled)) == 1
 
 
 def test_held_bursts_leave_a_smooth_load_to_the_law():
