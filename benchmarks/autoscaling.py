@@ -18,7 +18,9 @@ a generated bursty, prefill-heavy one (autoscaler/sim/bursty.py, seed 0), in the
                 -> results/autoscaling_rebalance_<trace>.json (a table per trace, the goals in the last JSON line)
   --bound --rebalance  the bursty trace's onset-blind reference at each --cold-starts: as it was, with the
                 actuator's flips, and planning its split a flip ahead (--bound-window: its plan windows, 10 s)
-                -> results/autoscaling_bound_rebalance.json (other windows: _w<s>.json)
+                -> results/autoscaling_bound_rebalance.json (other windows: _w<s>.json); with --causal, the
+                reference with no head start over a law: it knows a burst only once it began a cold start
+                before the window's replicas are asked for -> results/autoscaling_bound_causal.json
   --robustness  each --only law (default slo) under five other seeds, a profile 20% off either way and cold
                 starts of 30 s and 120 s -> results/autoscaling_robustness.{md,json} (JSON lines, the summary last)
   --bound       the bursty trace (or each --traces trace, its clumps standing for bursts) against references that
@@ -720,6 +722,46 @@ def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, col
     return out
 
 
+def bound_causal(name: str, duration: float | None, gpus: int, jobs: int, cold_starts: list[float],
+                 window_s: float = BOUND_REBALANCE_WINDOW_S) -> dict[str, Any]:
+    """The onset-blind reference without its head start: a window's plan counts only the bursts that began by the
+    time its replicas are asked for (a cold start before the window begins), which is what a law deciding then
+    could know of them; it still knows each such burst's every request to its end, and the base stream's. With
+    the actuator's flips, over BOUND_REBALANCE_MARGINS; per cold start, where it crosses 95% of feasible
+    requests. (The bound's reference, `bound_rebalance`, knows the bursts that began by the window's end.)
+    -> results/autoscaling_bound_causal[_<trace>].json"""
+    case = CASES[name]
+    base = trace_results(name, duration, "the bound is priced against its oracle")
+    oracle_s = base["policies"]["oracle"]["gpu_seconds"]
+    exp, _ = burst_onsets(case, duration, gpus)
+    n = math.floor(exp.requests[-1].arrival / window_s) + 1
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        plans = {f"causal@{c:g}": list(pool.map(task_bound_window, *zip(  # known a window earlier than `end - c`
+            *[(case, duration, gpus, k, c + window_s, window_s) for k in range(n)], strict=True)))
+            for c in cold_starts}
+        tasks = [(c, m) for c in cold_starts for m in BOUND_REBALANCE_MARGINS]
+        runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[f"causal@{c:g}"], m, c, True, None,
+                                                     window_s) for c, m in tasks], strict=True)))
+    rows = [{"reference": f"causal@{c:g}, flips", "cold_start_s": c, "margin": list(m), "flips": True,
+             "feasible_attainment": r["feasible_attainment"], "gpu_seconds": r["gpu_seconds"],
+             "gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3), "max_gpus": r["max_gpus"],
+             "role_flips": r["role_flips"]} for (c, m), r in zip(tasks, runs, strict=True)]
+    best = {f"{c:g}": frontier_at([r for r in rows if r["cold_start_s"] == c]) for c in cold_starts}
+    out = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
+           "window_s": window_s, "oracle_gpu_seconds": oracle_s, "plans": plans, "runs": rows, "best_at_95": best,
+           "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
+    trace = "" if name == "bursty" else f"_{name}"
+    (RESULTS / f"autoscaling_bound_causal{trace}.json").write_text(json.dumps(out, indent=1) + "\n")
+    print("| reference | margin P+D | of feasible | GPU-s × oracle | peak GPUs | flips |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['reference']} | {r['margin'][0]}+{r['margin'][1]} | {r['feasible_attainment']:.3f} | "
+              f"{r['gpu_seconds_vs_oracle']:.2f} | {r['max_gpus']} | {r['role_flips']} |")
+    print(json.dumps({"bound_causal": {name: {"best_at_95": best}}}))
+    return out
+
+
 RATCHET_WINDOWS = (120.0, 300.0, 600.0)  # s, how often the ratchet reads attainment
 RATCHET_STEPS = ((1, 1), (1, 0), (0, 1))  # (prefill, decode) replicas added after a window under the target
 CLUMP_BINS = (5.0, 15.0)  # s
@@ -1133,6 +1175,9 @@ def main() -> None:
                     help="--rebalance, --bound: cold starts (s) to run, comma-separated")
     ap.add_argument("--bound-window", type=float, default=BOUND_REBALANCE_WINDOW_S,
                     help="--bound --rebalance: the references' plan windows, s")
+    ap.add_argument("--causal", action="store_true",
+                    help="--bound --rebalance: the reference without its head start over a law "
+                    "-> results/autoscaling_bound_causal[_<trace>].json")
     ap.add_argument("--reuse-baselines", action="store_true",
                     help="keep the oracle and best static of results/autoscaling_<trace>.json when its setup matches")
     args = ap.parse_args()
@@ -1162,7 +1207,9 @@ def main() -> None:
     cold_starts = [float(c) for c in args.cold_starts.split(",") if c.strip()]
     if args.bound:
         for name in names if args.traces != ap.get_default("traces") else ["bursty"]:
-            if args.rebalance:
+            if args.rebalance and args.causal:
+                bound_causal(name, args.duration, args.gpus, args.jobs, cold_starts, args.bound_window)
+            elif args.rebalance:
                 bound_rebalance(name, args.duration, args.gpus, args.jobs, cold_starts, args.reuse_baselines,
                                 args.bound_window)
             else:
