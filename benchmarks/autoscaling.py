@@ -713,13 +713,18 @@ def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, col
            "plans": plans, "runs": rows, "crossing_95": crossing, "best_at_95": best,
            "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
     path.write_text(json.dumps(out, indent=1) + "\n")
+    print_bound_rows(rows)
+    print(json.dumps({"bound_rebalance": {name: {"crossing_95": crossing, "best_at_95": best}}}))
+    return out
+
+
+def print_bound_rows(rows: list[dict[str, Any]]) -> None:
+    """A bound reference's runs, a row per margin (--bound --rebalance, with or without --causal)."""
     print("| reference | margin P+D | of feasible | GPU-s × oracle | peak GPUs | flips |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['reference']} | {r['margin'][0]}+{r['margin'][1]} | {r['feasible_attainment']:.3f} | "
               f"{r['gpu_seconds_vs_oracle']:.2f} | {r['max_gpus']} | {r['role_flips']} |")
-    print(json.dumps({"bound_rebalance": {name: {"crossing_95": crossing, "best_at_95": best}}}))
-    return out
 
 
 def bound_causal(name: str, duration: float | None, gpus: int, jobs: int, cold_starts: list[float],
@@ -753,11 +758,7 @@ def bound_causal(name: str, duration: float | None, gpus: int, jobs: int, cold_s
            "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
     trace = "" if name == "bursty" else f"_{name}"
     (RESULTS / f"autoscaling_bound_causal{trace}.json").write_text(json.dumps(out, indent=1) + "\n")
-    print("| reference | margin P+D | of feasible | GPU-s × oracle | peak GPUs | flips |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['reference']} | {r['margin'][0]}+{r['margin'][1]} | {r['feasible_attainment']:.3f} | "
-              f"{r['gpu_seconds_vs_oracle']:.2f} | {r['max_gpus']} | {r['role_flips']} |")
+    print_bound_rows(rows)
     print(json.dumps({"bound_causal": {name: {"best_at_95": best}}}))
     return out
 
