@@ -5,6 +5,7 @@ children started from a process with threads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -94,8 +95,8 @@ def start_up_under_a_parent(log: Path) -> tuple[subprocess.Popen, int, dict]:
     return parent, up_pid, components
 
 
-def read_components(up: subprocess.Popen, timeout: float = 240) -> dict:
-    """`up`'s components line, once it is ready."""
+def read_components(up: subprocess.Popen, stderr: list[str], timeout: float = 240) -> dict:
+    """`up`'s components line, once it is ready (else a failure with how `up` ended and its log's last lines)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = up.stdout.readline()
@@ -103,7 +104,10 @@ def read_components(up: subprocess.Popen, timeout: float = 240) -> dict:
             break
         if line.startswith("splitserve components "):
             return json.loads(line.split(" ", 2)[2])
-    raise RuntimeError("splitserve up did not become ready")
+    with contextlib.suppress(subprocess.TimeoutExpired):  # stdout closed: it is exiting; else the finally kills it
+        up.wait(10)
+    raise RuntimeError(f"splitserve up did not become ready (exit code {up.poll()}); its log ends:\n"
+                       + "".join(stderr[-30:]))
 
 
 def tree(components: dict) -> list[int]:
@@ -153,7 +157,7 @@ def test_ctrl_c_waits_for_the_drain_and_says_a_second_one_stops_now():
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(up.stderr), daemon=True).start()
     try:
-        components = read_components(up)
+        components = read_components(up, stderr)
         pids = [w["pid"] for w in components["decode"]] + [r["pid"] for r in components["routers"]]
         body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 4000, "stream": True,
                 "ignore_eos": True}

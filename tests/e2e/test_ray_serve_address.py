@@ -80,8 +80,11 @@ def test_serve_ray_on_an_existing_cluster_with_vllm_workers() -> None:
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
         # SIGTERM: the application goes (the worker drains, its vLLM server stops), the cluster stays
+        # within the bound serve-ray sets itself: its wait for the application to go (the longest graceful
+        # shutdown, drainSeconds + 10 s, and 30 s more; it logs every 15 s while it waits), then Ray's shutdown.
+        # Here it takes seconds; once, in a full test run, it took over 120 s (a failure here now shows its log)
         serve_ray.proc.send_signal(signal.SIGTERM)
-        assert serve_ray.proc.wait(120) == 0, serve_ray.tail()
+        assert serve_ray.exit_code(220) == 0, serve_ray.tail()
         assert "Traceback" not in "".join(serve_ray.stderr), "".join(serve_ray.stderr)
         left = reap(set(servers), wait_s=60)
         assert not left, left

@@ -38,7 +38,7 @@ metadata: {{name: seeds-colocated}}
 spec:
   mode: colocated
   decode: {{replicas: 2, engine: {{batchInvariant: true, maxNumBatchedTokens: {CHUNK}}}}}
-  router: {{policy: round_robin, stallSeconds: 10}}
+  router: {{policy: round_robin}}
   kvPool: {{enabled: true}}
 """
 DISAGGREGATED = f"""apiVersion: splitserve.dev/v1alpha1
@@ -55,9 +55,10 @@ spec:
 # kvTransfer.timeoutSeconds 300: the counts below assume every remote prefill lands; with the default 30 s, two of
 # eight prompts sent at once to the one prefill worker, on a 2-core AVX2 box beside another test process, passed
 # the deadline and were prefilled locally (the same text: the fallback is a placement this test does not count)
-# stallSeconds 10: the stalled worker's streams move 10 s after its last token; a shorter window also moves
-# streams of a worker that is merely slow (a step of 8 long prompts on a loaded 2-core box can take seconds),
-# and the counts below assume family 0's first runs stayed where they started
+# router.stallSeconds stays at its default (30 s): the stalled worker's streams move 30 s after its last token.
+# The counts below assume family 0's first runs stayed where they started; with 10 s, a worker that was merely
+# slow (8 streams, one of them a 1000-token prompt in chunks, on a 2-core box while the other test process
+# started vLLM servers) went 10 s without a token and had its streams moved
 
 
 def prompt(length: int, family: int) -> list[int]:

@@ -111,6 +111,13 @@ class Announcing:
     def tail(self, n: int = 30) -> str:
         return "".join(self.stderr[-n:])
 
+    def exit_code(self, timeout_s: float) -> int:
+        """Its exit code; fails the test with its log's last lines if it is still running after `timeout_s`."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout_s:.0f} s later:\n" + self.tail()) from None
+
     def wait_for(self, text: str, timeout_s: float) -> str:
         """The first stdout line containing `text`; fails the test if the command exits or time runs out."""
         deadline = time.monotonic() + timeout_s
