@@ -445,15 +445,13 @@ def rebalance_goals(results: dict[str, Any]) -> dict[str, Any]:
                 key = f"{name}@{c:g}s{'+flips' if f else ''}"
                 goals[key] = {"feasible_attainment": ours["feasible_attainment"],
                               "gpu_seconds_vs_oracle": ours["gpu_seconds_vs_oracle"],
-                              "better_than": {p: better(ours, x, cost_goal) for p, x in runs.items()
-                                              if not p.startswith("slo")}}
+                              "better_than": anchors_beaten(ours, runs, cost_goal)}
                 if cost_goal is not None:  # met by the law as it is, or by one of its settings (an operator's choice)
                     met_by = [p for p, x in runs.items() if p.startswith("slo") and x["feasible_attainment"] >= TARGET
                               and x["gpu_seconds_vs_oracle"] <= cost_goal]
                     goals[key] |= {"goal_met": bool(met_by), "met_by": met_by}
                     if met_by and met_by[0] != "slo":
-                        goals[key]["better_than_" + met_by[0]] = {p: better(runs[met_by[0]], x, cost_goal)
-                                                                  for p, x in runs.items() if not p.startswith("slo")}
+                        goals[key]["better_than_" + met_by[0]] = anchors_beaten(runs[met_by[0]], runs, cost_goal)
                 elif reference is not None:  # the law's margin raised until it crosses 95%, against the reference
                     law_at = frontier_at([x for p, x in runs.items() if p.startswith("slo")])
                     ref_at = reference.get(f"{c:g}")
@@ -461,6 +459,11 @@ def rebalance_goals(results: dict[str, Any]) -> dict[str, Any]:
                                    "goal_met": law_at is not None and ref_at is not None
                                    and law_at <= BOUND_GOAL_FACTOR * ref_at}
     return goals
+
+
+def anchors_beaten(law: dict[str, Any], runs: dict[str, dict[str, Any]], cost_goal: float | None) -> dict[str, bool]:
+    """Per anchor (each run of `runs` that is not a setting of the SLO law): whether `law`'s run is better."""
+    return {p: better(law, x, cost_goal) for p, x in runs.items() if not p.startswith("slo")}
 
 
 def bound_reference(name: str) -> dict[str, float | None] | None:
@@ -539,6 +542,15 @@ def burst_known(case: TraceCase, duration: float | None, gpus: int, k: int, lead
             and (lead_s is None or onset is None or onset <= end - lead_s)]
 
 
+def window_plans(pool: ProcessPoolExecutor, case: TraceCase, duration: float | None, gpus: int,
+                 lead_s: float | None, window_s: float = BOUND_WINDOW_S) -> list[list[int]]:
+    """A reference's plan for every window of the trace (`task_bound_window` for each, on the pool)."""
+    exp, _ = burst_onsets(case, duration, gpus)
+    n = math.floor(exp.requests[-1].arrival / window_s) + 1
+    return list(pool.map(task_bound_window, *zip(*[(case, duration, gpus, k, lead_s, window_s) for k in range(n)],
+                                                 strict=True)))
+
+
 def task_bound_window(case: TraceCase, duration: float | None, gpus: int, k: int, lead_s: float | None,
                       window_s: float = BOUND_WINDOW_S) -> list[int]:
     """The cheapest static (P, D) for what the reference knows of window k (replayed alone, as the oracle's)."""
@@ -586,7 +598,6 @@ def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) 
     oracle_s = base["policies"]["oracle"]["gpu_seconds"]
     exp, onsets = burst_onsets(case, duration, gpus)
     lead = exp.spec.autoscaling.cold_start_seconds
-    n = math.floor(exp.requests[-1].arrival / BOUND_WINDOW_S) + 1
     margins = BOUND_MARGINS if case.file == "generated:bursty" else BOUND_MARGINS_CLUMPS
     refs = {"foresight": (None, lead)} | {f"onset-blind@{c:g}": (c, c) for c in (lead, *BOUND_SHORTER_STARTS)}
     t0 = time.perf_counter()
@@ -596,8 +607,7 @@ def bound(name: str, duration: float | None, gpus: int, jobs: int, reuse: bool) 
     blind, over_base = f"onset-blind@{lead:g}", f"onset-blind@{lead:g}, margin over the base stream"
     known_of = {ref: known for ref, (known, _) in refs.items()} | {"base stream": math.inf}
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        plans = {ref: kept.get(ref) or list(pool.map(task_bound_window, *zip(*[(case, duration, gpus, k, known)
-                                                                               for k in range(n)], strict=True)))
+        plans = {ref: kept.get(ref) or window_plans(pool, case, duration, gpus, known)
                  for ref, known in known_of.items()}
         # the onset-blind reference with its margin placed otherwise: only where the known load needs less than
         # the base stream's plan plus the margin (the larger of the two, not their sum); the same reference where
@@ -655,10 +665,19 @@ def frontier_at(rows: list[dict[str, Any]], target: float = TARGET) -> float | N
     return frontier[0][0] if frontier and frontier[0][1] >= target else None
 
 
-def bound_rebalance_path(name: str, window_s: float = BOUND_REBALANCE_WINDOW_S) -> Path:
+def bound_rebalance_path(name: str, window_s: float = BOUND_REBALANCE_WINDOW_S, causal: bool = False) -> Path:
     trace = "" if name == "bursty" else f"_{name}"
     window = "" if window_s == BOUND_REBALANCE_WINDOW_S else f"_w{window_s:g}"
-    return RESULTS / f"autoscaling_bound_rebalance{trace}{window}.json"
+    return RESULTS / f"autoscaling_bound_{'causal' if causal else 'rebalance'}{trace}{window}.json"
+
+
+def bound_row(label: str, cold_start_s: float, margin: tuple[int, int], flips: bool, r: dict[str, Any],
+              oracle_s: float) -> dict[str, Any]:
+    """A bound reference's run (`task_bound_run`) as a results row."""
+    return {"reference": label, "cold_start_s": cold_start_s, "margin": list(margin), "flips": flips,
+            "slo_attainment": r["slo_attainment"], "feasible_attainment": r["feasible_attainment"],
+            "gpu_seconds": r["gpu_seconds"], "gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3),
+            "max_gpus": r["max_gpus"], "scale_changes": r["scale_changes"], "role_flips": r["role_flips"]}
 
 
 def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, cold_starts: list[float],
@@ -677,8 +696,6 @@ def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, col
     case = CASES[name]
     base = trace_results(name, duration, "the bound is priced against its oracle")
     oracle_s = base["policies"]["oracle"]["gpu_seconds"]
-    exp, onsets = burst_onsets(case, duration, gpus)
-    n = math.floor(exp.requests[-1].arrival / window_s) + 1
     path = bound_rebalance_path(name, window_s)
     kept: dict[str, Any] = {}
     for old in (bound_path(name), path):  # plans depend on what is known, not on the cold start simulated
@@ -688,8 +705,8 @@ def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, col
     known = {f"onset-blind@{c:g}": c for c in (*cold_starts, BOUND_FLIP_LEAD_S)}
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        plans = {ref: kept.get(ref) or list(pool.map(task_bound_window, *zip(
-            *[(case, duration, gpus, k, lead, window_s) for k in range(n)], strict=True))) for ref, lead in known.items()}
+        plans = {ref: kept.get(ref) or window_plans(pool, case, duration, gpus, lead, window_s)
+                 for ref, lead in known.items()}
         split = plans[f"onset-blind@{BOUND_FLIP_LEAD_S:g}"]
         tasks = []
         for c in cold_starts:
@@ -699,11 +716,7 @@ def bound_rebalance(name: str, duration: float | None, gpus: int, jobs: int, col
                 tasks += [(label, c, m, flips, sp) for m in BOUND_REBALANCE_MARGINS]
         runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[f"onset-blind@{c:g}"], m, c, f, sp,
                                                      window_s) for _, c, m, f, sp in tasks], strict=True)))
-    rows = [{"reference": label, "cold_start_s": c, "margin": list(m), "flips": f,
-             "slo_attainment": r["slo_attainment"], "feasible_attainment": r["feasible_attainment"],
-             "gpu_seconds": r["gpu_seconds"], "gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3),
-             "max_gpus": r["max_gpus"], "scale_changes": r["scale_changes"], "role_flips": r["role_flips"]}
-            for (label, c, m, f, _), r in zip(tasks, runs, strict=True)]
+    rows = [bound_row(label, c, m, f, r, oracle_s) for (label, c, m, f, _), r in zip(tasks, runs, strict=True)]
     crossing = {label: frontier_at([r for r in rows if r["reference"] == label]) for label in dict.fromkeys(
         r["reference"] for r in rows)}
     best = {f"{c:g}": min((v for k, v in crossing.items() if k.startswith(f"onset-blind@{c:g}") and v is not None),
@@ -734,30 +747,22 @@ def bound_causal(name: str, duration: float | None, gpus: int, jobs: int, cold_s
     could know of them; it still knows each such burst's every request to its end, and the base stream's. With
     the actuator's flips, over BOUND_REBALANCE_MARGINS; per cold start, where it crosses 95% of feasible
     requests. (The bound's reference, `bound_rebalance`, knows the bursts that began by the window's end.)
-    -> results/autoscaling_bound_causal[_<trace>].json"""
+    -> results/autoscaling_bound_causal[_<trace>][_w<window>].json"""
     case = CASES[name]
     base = trace_results(name, duration, "the bound is priced against its oracle")
     oracle_s = base["policies"]["oracle"]["gpu_seconds"]
-    exp, _ = burst_onsets(case, duration, gpus)
-    n = math.floor(exp.requests[-1].arrival / window_s) + 1
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        plans = {f"causal@{c:g}": list(pool.map(task_bound_window, *zip(  # known a window earlier than `end - c`
-            *[(case, duration, gpus, k, c + window_s, window_s) for k in range(n)], strict=True)))
-            for c in cold_starts}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:  # known a window earlier than `end - c`
+        plans = {f"causal@{c:g}": window_plans(pool, case, duration, gpus, c + window_s, window_s) for c in cold_starts}
         tasks = [(c, m) for c in cold_starts for m in BOUND_REBALANCE_MARGINS]
         runs = list(pool.map(task_bound_run, *zip(*[(case, duration, gpus, plans[f"causal@{c:g}"], m, c, True, None,
                                                      window_s) for c, m in tasks], strict=True)))
-    rows = [{"reference": f"causal@{c:g}, flips", "cold_start_s": c, "margin": list(m), "flips": True,
-             "feasible_attainment": r["feasible_attainment"], "gpu_seconds": r["gpu_seconds"],
-             "gpu_seconds_vs_oracle": round(r["gpu_seconds"] / oracle_s, 3), "max_gpus": r["max_gpus"],
-             "role_flips": r["role_flips"]} for (c, m), r in zip(tasks, runs, strict=True)]
+    rows = [bound_row(f"causal@{c:g}, flips", c, m, True, r, oracle_s) for (c, m), r in zip(tasks, runs, strict=True)]
     best = {f"{c:g}": frontier_at([r for r in rows if r["cold_start_s"] == c]) for c in cold_starts}
     out = {"trace": case.file, "rate_scale": case.rate_scale, "duration_s": duration, "gpu_budget": gpus,
            "window_s": window_s, "oracle_gpu_seconds": oracle_s, "plans": plans, "runs": rows, "best_at_95": best,
            "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
-    trace = "" if name == "bursty" else f"_{name}"
-    (RESULTS / f"autoscaling_bound_causal{trace}.json").write_text(json.dumps(out, indent=1) + "\n")
+    bound_rebalance_path(name, window_s, causal=True).write_text(json.dumps(out, indent=1) + "\n")
     print_bound_rows(rows)
     print(json.dumps({"bound_causal": {name: {"best_at_95": best}}}))
     return out
@@ -1178,7 +1183,7 @@ def main() -> None:
                     help="--bound --rebalance: the references' plan windows, s")
     ap.add_argument("--causal", action="store_true",
                     help="--bound --rebalance: the reference without its head start over a law "
-                    "-> results/autoscaling_bound_causal[_<trace>].json")
+                    "-> results/autoscaling_bound_causal[_<trace>][_w<window>].json")
     ap.add_argument("--reuse-baselines", action="store_true",
                     help="keep the oracle and best static of results/autoscaling_<trace>.json when its setup matches")
     args = ap.parse_args()
